@@ -1,0 +1,14 @@
+"""Serving: requests, KV-block bookkeeping, scheduling, the engine, the offline LLM API and the CLI."""
+
+from server.sampling_params import SamplingParams
+
+
+def __getattr__(name):  # import the engine lazily: `import server` stays cheap for the CLI
+    if name == "LLM":
+        from server.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams"]

@@ -1,0 +1,124 @@
+"""Multi-head latent attention (MLA) in the absorbed form over a paged latent cache.
+
+The cache of one layer is `kv_cache_NBD [num_blocks, block_size, C + R]`: per token, the normalised
+compressed latent (C = kv_lora_rank) followed by the rotated shared rope key (R = qk_rope_head_dim).
+Nothing per head is cached. Queries are absorbed into latent space with W_UK, scores are taken
+against the latent directly, and the attention output is lifted back out with W_UV.
+
+Legend: T = tokens in the step, N = (local) heads, C = kv_lora_rank, R = qk_rope_head_dim,
+Dn = qk_nope_head_dim, Dv = v_head_dim, L = context length, B = decode sequences, H = hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moe.config import ModelConfig
+from moe.layers import RMSNorm, RotaryEmbedding
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence computing more than one token this step (a prompt chunk)."""
+
+    token_start: int  # index of its first query token in the step's flat token array
+    num_query: int
+    context_len: int  # tokens in the cache once this step's tokens are written
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] block ids
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens live in the paged cache. Built by the runner, read by every layer."""
+
+    slot_mapping_T: torch.Tensor  # [T] flat cache slot for each new token
+    decode_token_idx_B: torch.Tensor  # [B] positions in the flat token array of single-token queries
+    decode_block_tables_BM: torch.Tensor  # [B, M] block ids, padded with 0
+    decode_context_lens_B: torch.Tensor  # [B]
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_token_idx_B.numel())
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.scale = cfg.softmax_scale
+        self.rope = rope
+        H, N = cfg.hidden_size, self.num_heads
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, N * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, self.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, N * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, N * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(N * self.v_dim, H, bias=cfg.attention_bias)
+        self.w_uk_NDC: torch.Tensor | None = None
+        self.w_uv_NVC: torch.Tensor | None = None
+
+    def absorb_weights(self) -> None:
+        """Split kv_b_proj into the per-head up-projections used in the absorbed form (after loading)."""
+        w = self.kv_b_proj.weight.detach().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk_NDC = w[:, : self.nope_dim].contiguous()
+        self.w_uv_NVC = w[:, self.nope_dim :].contiguous()
+
+    def forward(self, x_TH, cos_TR2, sin_TR2, kv_cache_NBD: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T, N, C = x_TH.shape[0], self.num_heads, self.kv_lora_rank
+        if self.q_lora_rank is None:
+            q = self.q_proj(x_TH)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TH)))
+        q_TNK = q.view(T, N, self.nope_dim + self.rope_dim)
+        q_nope_TND, q_pe_TNR = q_TNK.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe_TNR = self.rope(q_pe_TNR, cos_TR2, sin_TR2)
+        # Absorb W_UK: q_lat[t, n] = W_UK[n]^T q_nope[t, n]
+        q_lat_TNC = torch.bmm(q_nope_TND.transpose(0, 1), self.w_uk_NDC).transpose(0, 1)
+        q_full_TNK = torch.cat((q_lat_TNC, q_pe_TNR), dim=-1)
+
+        latent_TC, k_pe_TR = self.kv_a_proj_with_mqa(x_TH).split([C, self.rope_dim], dim=-1)
+        latent_TC = self.kv_a_layernorm(latent_TC)
+        k_pe_TR = self.rope(k_pe_TR[:, None, :], cos_TR2, sin_TR2)[:, 0]
+        flat_cache = kv_cache_NBD.view(-1, kv_cache_NBD.shape[-1])
+        flat_cache[meta.slot_mapping_T] = torch.cat((latent_TC, k_pe_TR), dim=-1).to(flat_cache.dtype)
+
+        out_lat_TNC = q_lat_TNC.new_empty(T, N, C)
+        if meta.num_decodes:
+            out_lat_TNC[meta.decode_token_idx_B] = self._decode(q_full_TNK[meta.decode_token_idx_B], kv_cache_NBD, meta)
+        for seq in meta.prefills:
+            rows = slice(seq.token_start, seq.token_start + seq.num_query)
+            out_lat_TNC[rows] = self._prefill(q_full_TNK[rows], kv_cache_NBD, seq)
+        # Lift out of latent space with W_UV: out[t, n] = W_UV[n] out_lat[t, n]
+        out_TNV = torch.bmm(out_lat_TNC.transpose(0, 1), self.w_uv_NVC.transpose(1, 2)).transpose(0, 1)
+        return self.o_proj(out_TNV.reshape(T, N * self.v_dim))
+
+    def _decode(self, q_BNK: torch.Tensor, kv_cache_NBD: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        B = q_BNK.shape[0]
+        kv_BLK = kv_cache_NBD[meta.decode_block_tables_BM].view(B, -1, kv_cache_NBD.shape[-1]).to(q_BNK.dtype)
+        scores_BNL = torch.bmm(q_BNK, kv_BLK.transpose(1, 2)).float() * self.scale
+        L = kv_BLK.shape[1]
+        pad_BL = torch.arange(L, device=q_BNK.device)[None, :] >= meta.decode_context_lens_B[:, None]
+        scores_BNL.masked_fill_(pad_BL[:, None, :], float("-inf"))
+        probs_BNL = scores_BNL.softmax(dim=-1).to(q_BNK.dtype)
+        return torch.bmm(probs_BNL, kv_BLK[..., : self.kv_lora_rank])
+
+    def _prefill(self, q_QNK: torch.Tensor, kv_cache_NBD: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
+        Q, L = seq.num_query, seq.context_len
+        kv_LK = kv_cache_NBD[seq.block_table].view(-1, kv_cache_NBD.shape[-1])[:L].to(q_QNK.dtype)
+        scores_NQL = torch.matmul(q_QNK.transpose(0, 1), kv_LK.t()).float() * self.scale
+        # query i sits at position L - Q + i and sees keys 0..L - Q + i
+        dev = q_QNK.device
+        future_QL = torch.arange(L, device=dev)[None, :] > (torch.arange(Q, device=dev) + (L - Q))[:, None]
+        scores_NQL.masked_fill_(future_QL[None], float("-inf"))
+        probs_NQL = scores_NQL.softmax(dim=-1).to(q_QNK.dtype)
+        return torch.matmul(probs_NQL, kv_LK[:, : self.kv_lora_rank]).transpose(0, 1)

@@ -1,0 +1,100 @@
+"""Small building blocks: RMSNorm, rotary embedding (plain and YaRN), the dense SiLU MLP.
+
+Shapes: T = tokens in the step, N = heads, R = rope dims (qk_rope_head_dim), H = hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.config import ModelConfig, yarn_mscale
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [R/2] and the cos/sin magnitude, for default rope or YaRN."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if cfg.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+    rs = cfg.rope_scaling
+    factor = rs["factor"]
+    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+    original_max = rs.get("original_max_position_embeddings") or cfg.max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(original_max / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the rope part of queries and keys by position.
+
+    Interleaved rope (DeepSeek's native layout) rotates pairs (x[2i], x[2i+1]); the plain one rotates
+    (x[i], x[i + R/2]). Either way the output is laid out as [first of each pair, second of each pair],
+    the same for queries and keys, so their dot products are those of the reference.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv_freq, self.attention_factor = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleaved = cfg.rope_interleave
+
+    def cos_sin(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs_TR2 = positions_T.float()[:, None] * self.inv_freq[None, :]
+        return freqs_TR2.cos() * self.attention_factor, freqs_TR2.sin() * self.attention_factor
+
+    def forward(self, x_TNR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            x1, x2 = x_TNR[..., 0::2], x_TNR[..., 1::2]
+        else:
+            half = x_TNR.shape[-1] // 2
+            x1, x2 = x_TNR[..., :half], x_TNR[..., half:]
+        cos, sin = cos_TR2[:, None, :].to(x_TNR.dtype), sin_TR2[:, None, :].to(x_TNR.dtype)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MLP(nn.Module):
+    """Dense SiLU-gated MLP (the first dense layers and the shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))

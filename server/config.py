@@ -1,0 +1,46 @@
+"""Engine settings: one flat dataclass, validated on construction, built from keyword arguments or
+CLI flags by field name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (the checkpoint's torch_dtype)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_tokens: int = 32768
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str = "auto"  # auto = cuda when available, else cpu
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"dtype {self.dtype!r} is not supported; expected one of {[*DTYPES, 'auto']}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens {self.kv_cache_tokens} is smaller than one block ({self.block_size})")
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

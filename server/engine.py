@@ -1,0 +1,156 @@
+"""The engine: one step is schedule -> run -> update.
+
+`LLMEngine.step()` asks the scheduler what to compute, has the runner compute it and sample, then
+records the new tokens, applies stop conditions, frees what finished and reports outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from moe.config import ModelConfig
+from server.block_manager import BlockManager
+from server.config import EngineConfig
+from server.outputs import CompletionOutput, RequestOutput
+from server.request import Request, RequestStatus
+from server.runner import ModelRunner
+from server.sampler import SampleResult
+from server.sampling_params import SamplingParams
+from server.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.dtype = config.torch_dtype(mc.torch_dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id
+        num_blocks = -(-config.kv_cache_tokens // config.block_size)
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size,
+                                  config.torch_device(), seed=config.seed)
+        log.info("loaded %s (%s) in %.1f s", config.model, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len), self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.kv_cache_tokens_total = num_blocks * config.block_size
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None) -> str:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the maximum is {self.max_model_len - 1} "
+                             f"(max_model_len {self.max_model_len} leaves room for at least one generated token)")
+        if len(prompt_token_ids) + 1 > self.kv_cache_tokens_total:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the KV cache holds only {self.kv_cache_tokens_total}")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id)
+        req.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        req.prompt, req.text = prompt, ""
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        if self.scheduler.abort_request(request_id) is not None:
+            self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled = self.runner.execute(sched)
+        return self._update(sched, sampled)
+
+    def _update(self, sched: SchedulerOutput, sampled: dict[str, SampleResult]) -> list[RequestOutput]:
+        self.scheduler.update_from_output(sched, {rid: r.token_id for rid, r in sampled.items()})
+        outputs = []
+        for rid, result in sampled.items():
+            req = self.requests[rid]
+            self.num_generated_tokens += 1
+            if req.sampling_params.logprobs is not None:
+                top = dict(result.top_logprobs or {})
+                top[result.token_id] = result.logprob
+                req.output_logprobs.append(top)
+            req.cumulative_logprob = getattr(req, "cumulative_logprob", 0.0) + result.logprob
+            status = self._check_stop(req, result.token_id)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+                outputs.append(self._make_output(req))
+                del self.requests[rid]
+        return outputs
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        p = req.sampling_params
+        n_out = req.num_output_tokens
+        if p.stop:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            for stop in p.stop:
+                at = text.find(stop, max(0, len(req.text) - len(stop)))
+                if at != -1:
+                    req.text = text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
+                    req.stop_reason = stop
+                    return RequestStatus.FINISHED_STOPPED
+            req.text = text
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token_id == req.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+        if n_out >= max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        p = req.sampling_params
+        token_ids = list(req.output_token_ids)
+        text = req.text if req.stop_reason is not None and isinstance(req.stop_reason, str) else \
+            self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=token_ids,
+            cumulative_logprob=getattr(req, "cumulative_logprob", None) if p.logprobs is not None else None,
+            logprobs=list(req.output_logprobs) if p.logprobs is not None else None,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], True, req.num_cached_tokens)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "kv_cache_tokens_total": self.kv_cache_tokens_total,
+            "kv_cache_bytes_per_token": self.model_config.num_hidden_layers * self.model_config.kv_cache_dim
+            * self.dtype.itemsize,
+            "kv_cache_usage": bm.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_query_tokens": bm.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens": bm.prefix_cache_hit_tokens,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_generated_tokens": self.num_generated_tokens,
+        }

@@ -1,0 +1,74 @@
+"""The offline API: `LLM(model_dir, ...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+from server.config import EngineConfig
+from server.engine import LLMEngine
+from server.outputs import RequestOutput
+from server.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self.last_generate_seconds = 0.0
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give a non-empty string or a list of token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        tokenized = [self._tokenize(p) for p in prompts]  # validate everything before adding anything
+        engine = self.engine
+        added: list[list[str]] = []
+        try:
+            for i, ((text, ids), p) in enumerate(zip(tokenized, params_list)):
+                ids_i = []
+                for j in range(p.n):  # n samples = n requests; seeds stay distinct but reproducible
+                    pj = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                    ids_i.append(engine.add_request(ids, pj, request_id=f"gen-{time.monotonic_ns()}-{i}-{j}", prompt=text))
+                added.append(ids_i)
+        except ValueError:
+            for ids_i in added:
+                for rid in ids_i:
+                    engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                finished[out.request_id] = out
+        self.last_generate_seconds = time.perf_counter() - t0
+        results = []
+        for ids_i in added:
+            first = finished[ids_i[0]]
+            for j, rid in enumerate(ids_i[1:], 1):
+                extra = finished[rid].outputs[0]
+                first.outputs.append(dataclasses.replace(extra, index=j))
+            results.append(first)
+        return results
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -1,0 +1,93 @@
+"""One generation request as the scheduler and engine see it: token ids and progress, no tensors.
+
+Progress is one number. `num_computed_tokens` counts the tokens whose KV is in the cache; the request
+still needs `num_tokens - num_computed_tokens` tokens computed. Worked example, a 5-token prompt with a
+budget of 3 tokens per step:
+    step 1: computes tokens 0..2   num_computed 0 -> 3, num_tokens 5   (chunk of the prompt, no sample)
+    step 2: computes tokens 3..4   num_computed 3 -> 5, num_tokens 5   -> sample t5, num_tokens 6
+    step 3: computes token 5       num_computed 5 -> 6, num_tokens 6   -> sample t6, num_tokens 7 (decode)
+Preemption (recompute) frees the blocks and resets num_computed_tokens to 0; on resume the prompt and
+the outputs so far are computed again (the prefix cache may serve part of them).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from server.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()   # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = enum.auto()    # max_tokens or max_model_len reached
+    FINISHED_ABORTED = enum.auto()   # client went away or the request was rejected
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished status ("stop", "length", "abort"); None otherwise."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 arrival_time: float | None = None, eos_token_id: int | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; send at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(prompt_token_ids)   # prompt + outputs, kept in step with both
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0    # tokens whose KV is in the cache
+        self.num_cached_tokens = 0      # prompt tokens served by the prefix cache at first schedule
+        self.block_ids: list[int] = []  # this request's KV blocks, in token order
+        self.finish_reason: str | None = None   # "stop" / "length" / "abort", set when finished
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
+        self.output_logprobs: list = []  # one entry per output token, filled by the engine
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + outputs. The live list, not a copy: read it, don't mutate it."""
+        return self._all_token_ids
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

@@ -1,0 +1,87 @@
+"""Runs one scheduled step on the model: builds the flat token batch and the paged-cache metadata,
+runs the forward pass, and samples for the requests whose prompt is complete. Never decides what to run.
+
+Legend: T = tokens in the step, B = decode sequences, M = blocks per sequence, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from moe.attention import AttentionMetadata, PrefillSeq
+from moe.config import ModelConfig
+from moe.loader import load_checkpoint
+from moe.model import DeepseekForCausalLM
+from server.sampler import SampleResult, sample
+from server.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int,
+                 device: torch.device, seed: int = 0):
+        self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, device, block_size
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.model = DeepseekForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(prev)
+        self.model.requires_grad_(False)
+        load_checkpoint(self.model, model_dir, cfg)
+        self.model.eval()
+        # One latent cache tensor per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        self.kv_caches = [torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device)
+                          for _ in range(cfg.num_hidden_layers)]
+        self.generator = torch.Generator().manual_seed(seed)
+        log.info("KV cache: %d blocks x %d tokens, %.1f MiB", num_blocks, block_size,
+                 sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)
+
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        token_ids, positions, slots = [], [], []
+        decode_idx, decode_tables, decode_lens, prefills, sample_idx, sample_reqs = [], [], [], [], [], []
+        for item in sched.scheduled:
+            req, n = item.request, item.num_new_tokens
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            t0 = len(token_ids)
+            token_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            num_blocks = (end + bs - 1) // bs
+            if n == 1:
+                decode_idx.append(t0)
+                decode_tables.append(req.block_ids[:num_blocks])
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSeq(t0, n, end, torch.tensor(req.block_ids[:num_blocks], device=self.device)))
+            if end == req.num_tokens:  # prompt complete: this step yields the next token
+                sample_idx.append(t0 + n - 1)
+                sample_reqs.append(req)
+        width = max((len(t) for t in decode_tables), default=1)
+        tables = [t + [0] * (width - len(t)) for t in decode_tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping_T=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_token_idx_B=torch.tensor(decode_idx, dtype=torch.long, device=dev),
+            decode_block_tables_BM=torch.tensor(tables, dtype=torch.long, device=dev).view(len(tables), width),
+            decode_context_lens_B=torch.tensor(decode_lens, dtype=torch.long, device=dev),
+            prefills=prefills,
+        )
+        inputs = (torch.tensor(token_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev))
+        return inputs, meta, sample_idx, sample_reqs
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampleResult]:
+        (input_ids_T, positions_T), meta, sample_idx, sample_reqs = self._prepare(sched)
+        hidden_TH = self.model(input_ids_T, positions_T, self.kv_caches, meta)
+        if not sample_reqs:
+            return {}
+        logits_BV = self.model.compute_logits(hidden_TH[torch.tensor(sample_idx, device=self.device)])
+        results = sample(logits_BV.cpu(), sample_reqs, self.generator)
+        return {req.request_id: r for req, r in zip(sample_reqs, results)}

@@ -1,0 +1,63 @@
+"""Turns the logits of the requests that finished their prompt into next tokens (and logprobs).
+
+Greedy rows take the argmax; others apply temperature, top-k and top-p, then draw with the request's
+own generator when it set a seed (reproducible whatever else is in the batch), else with the engine's.
+Logprobs are those of the model's raw distribution (log-softmax of the logits), as in vLLM.
+Legend: B = rows to sample, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None  # the `logprobs` most likely tokens, when asked for
+
+
+def _filter_top_k_top_p(logits_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits_V.numel():
+        kth = logits_V.topk(top_k).values[-1]
+        logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_V, order_V = logits_V.sort(descending=True)
+        cum_V = sorted_V.softmax(-1).cumsum(-1)
+        drop_sorted_V = (cum_V - sorted_V.softmax(-1)) >= top_p  # keep the smallest set reaching top_p
+        logits_V = logits_V.masked_fill(drop_sorted_V.scatter(0, order_V, drop_sorted_V), float("-inf"))
+    return logits_V
+
+
+def sample(logits_BV: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None) -> list[SampleResult]:
+    logits_BV = logits_BV.float()
+    logprobs_BV = logits_BV.log_softmax(dim=-1)
+    chosen: list[int] = []
+    for i, req in enumerate(requests):
+        p = req.sampling_params
+        row_V = logits_BV[i]
+        if req.num_output_tokens < p.min_tokens:  # EOS and stop ids are not allowed yet
+            banned = ([] if req.eos_token_id is None else [req.eos_token_id]) + list(p.stop_token_ids or [])
+            if banned:
+                row_V = row_V.clone()
+                row_V[banned] = float("-inf")
+        if p.greedy:
+            chosen.append(int(row_V.argmax()))
+            continue
+        row_V = _filter_top_k_top_p(row_V / p.temperature, p.top_k, p.top_p)
+        gen = getattr(req, "generator", None) or generator
+        chosen.append(int(torch.multinomial(row_V.softmax(-1), 1, generator=gen)))
+    results = []
+    for i, (req, token) in enumerate(zip(requests, chosen)):
+        n_top = req.sampling_params.logprobs
+        top = None
+        if n_top:
+            values, ids = logprobs_BV[i].topk(n_top)
+            top = dict(zip(ids.tolist(), values.tolist()))
+        results.append(SampleResult(token, float(logprobs_BV[i, token]), top))
+    return results

@@ -1,0 +1,193 @@
+"""Which requests run this step, and how many of their tokens. CPU only; never touches tensors.
+
+The engine step reads: `out = scheduler.schedule()`, run the model on `out.scheduled`, sample for the
+requests whose tokens are all computed, `scheduler.update_from_output(out, sampled)`, check stop
+conditions and `scheduler.finish_request(...)` the finished ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from server.block_manager import BlockManager
+from server.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64                 # most requests in `running` at once
+    max_num_batched_tokens: int = 2048     # token budget per step
+    max_model_len: int = 4096              # longest prompt + output (enforced by the engine)
+    long_prefill_token_threshold: int = 0  # 0 = none; else the most tokens one request computes a step
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be 0 (no cap) or a positive integer, "
+                             f"got {self.long_prefill_token_threshold!r}")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int   # tokens to compute this step, starting at request.num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # running first, then admitted
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}   # unfinished requests by id
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use; ids must be unique")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish an unfinished request as aborted; None if the id is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return num_new
+
+    def _check_fits(self, request: Request, num_tokens: int) -> None:
+        bm = self.block_manager
+        if bm.num_blocks_for(num_tokens) > bm.num_blocks:
+            raise RuntimeError(
+                f"request {request.request_id!r} needs {bm.num_blocks_for(num_tokens)} KV blocks for "
+                f"{num_tokens} tokens but the cache has only {bm.num_blocks} blocks of "
+                f"{bm.block_size}; lower max_model_len or give the KV cache more memory")
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        # Invariant: there are no prefill or decode phases. Every request has num_computed_tokens
+        # catching up with num_tokens; each step gives each request a chunk of
+        # num_tokens - num_computed_tokens (a decode is a chunk of 1) under one token budget, and every
+        # scheduled request holds blocks for num_computed_tokens + its chunk. Running requests go first,
+        # in order; if blocks run out, the newest running request is preempted (recompute). Waiting
+        # requests are admitted FIFO only in a step without preemption.
+        #
+        # Worked example, budget 8, block_size 4: running = [A (decode, 1 token left),
+        # B (prompt 20, 4 computed)], waiting = [C (prompt 6)]:
+        #   A: 1 token (budget 7), B: 7 tokens (budget 0), C: not admitted (no budget this step).
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            self._check_fits(request, request.num_computed_tokens + num_new)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()   # newest; index >= i, so never already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break   # `request` preempted itself: it was the last running request
+
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            self._check_fits(request, request.num_tokens)
+            first_time = request.status == RequestStatus.WAITING
+            num_hit = self.block_manager.get_computed_blocks(request)
+            request.num_computed_tokens = num_hit
+            if first_time:
+                request.num_cached_tokens = num_hit
+            num_new = self._chunk(request, budget)
+            if not self.block_manager.allocate_slots(request, num_new):
+                self.block_manager.free(request)   # give back the prefix blocks it took
+                request.num_computed_tokens = 0
+                if not self.running:
+                    bm = self.block_manager
+                    raise RuntimeError(
+                        f"cannot admit request {request.request_id!r} ({request.num_tokens} tokens) with "
+                        f"no request running: {bm.num_free_blocks} of {bm.num_blocks} blocks free; "
+                        "some finished request was not freed")
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Record that the scheduled chunks were computed, cache the blocks that became full, and
+        append the sampled tokens. Stop conditions are the engine's job (then `finish_request`)."""
+        for s in scheduler_output.scheduled:
+            request = s.request
+            if request.is_finished():   # aborted between schedule() and now
+                continue
+            request.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_blocks(request, request.num_computed_tokens)
+            token_id = sampled.get(request.request_id)
+            if token_id is not None:
+                if request.num_computed_tokens != request.num_tokens:
+                    raise ValueError(
+                        f"sampled a token for {request.request_id!r} with only "
+                        f"{request.num_computed_tokens} of {request.num_tokens} tokens computed; "
+                        "sample only for requests whose chunk reaches the end of their tokens")
+                request.append_output_token(token_id)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Free the request's blocks and drop it from the queues (running or waiting)."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"finish_request needs a FINISHED_* status, got {status.name}")
+        if request.is_finished():
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.requests.pop(request.request_id, None)
+        self.block_manager.free(request)
+        request.status = status
+        request.finish_reason = status.finish_reason

@@ -1,0 +1,201 @@
+import random
+
+import pytest
+
+from server.block_manager import BlockManager
+from server.request import Request, RequestStatus
+from server.sampling_params import SamplingParams
+from server.scheduler import Scheduler, SchedulerConfig
+
+
+def make(num_blocks=64, block_size=4, **config):
+    return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, block_size))
+
+
+def add(sched, rid, tokens):
+    r = Request(rid, list(tokens), SamplingParams())
+    sched.add_request(r)
+    return r
+
+
+def step(sched, finish_at=None):
+    """A fake engine step: sample token 1 for every request whose chunk completes its tokens, and
+    finish a request once it has `finish_at` outputs."""
+    out = sched.schedule()
+    sampled = {s.request.request_id: 1 for s in out.scheduled
+               if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens}
+    sched.update_from_output(out, sampled)
+    for s in out.scheduled:
+        if finish_at is not None and s.request.num_output_tokens >= finish_at:
+            sched.finish_request(s.request, RequestStatus.FINISHED_LENGTH)
+    return out
+
+
+def chunks(out):
+    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer, got 0"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer, got -1"):
+        SchedulerConfig(max_num_batched_tokens=-1)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be 0"):
+        SchedulerConfig(long_prefill_token_threshold=-4)
+
+
+def test_budget_mixes_decodes_and_chunked_prefills():
+    # The worked example in schedule(): budget 8, A decodes while B's 20-token prompt is chunked.
+    s = make(max_num_batched_tokens=8)
+    add(s, "A", range(3))
+    out = step(s)
+    assert chunks(out) == [("A", 3)] and out.num_batched_tokens == 3   # nothing else waiting yet
+    add(s, "B", range(100, 120))
+    add(s, "C", range(200, 206))
+    out = step(s)
+    assert chunks(out) == [("A", 1), ("B", 7)] and out.num_batched_tokens == 8
+    out = step(s)   # running first: A decodes, B continues its prompt; no budget left for C
+    assert chunks(out) == [("A", 1), ("B", 7)]
+    out = step(s)   # B's last 6 prompt tokens leave 1 token of budget: C gets a 1-token chunk
+    assert chunks(out) == [("A", 1), ("B", 6), ("C", 1)]
+    assert s.running[1].num_output_tokens == 1 and s.running[2].num_computed_tokens == 1
+    out = step(s)
+    assert chunks(out) == [("A", 1), ("B", 1), ("C", 5)]
+    assert all(r.num_tokens - r.num_computed_tokens == 1 for r in s.running)   # all decoding now
+
+
+def test_long_prompt_chunks_catch_up():
+    s = make(max_num_batched_tokens=4)
+    r = add(s, "r", range(10))
+    progress = []
+    for _ in range(4):
+        step(s)
+        progress.append((r.num_computed_tokens, r.num_tokens))
+    # 4 + 4 + 2 prompt tokens, the third chunk completes the prompt and samples; then decodes.
+    assert progress == [(4, 10), (8, 10), (10, 11), (11, 12)]
+    assert len(r.block_ids) == 3   # 12 tokens in blocks of 4 once the 12th is scheduled
+
+
+def test_long_prefill_threshold_caps_each_request():
+    s = make(max_num_batched_tokens=100, long_prefill_token_threshold=3)
+    add(s, "a", range(7))
+    add(s, "b", range(50, 52))
+    assert chunks(step(s)) == [("a", 3), ("b", 2)]
+    assert chunks(step(s)) == [("a", 3), ("b", 1)]
+
+
+def test_max_num_seqs_and_fifo():
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        add(s, f"r{i}", range(10 * i, 10 * i + 3))
+    out = step(s)
+    assert chunks(out) == [("r0", 3), ("r1", 3)] and [r.request_id for r in s.waiting] == ["r2", "r3"]
+    finished = []
+    while s.has_unfinished():
+        for sr in step(s, finish_at=2).scheduled:
+            if sr.request.is_finished():
+                finished.append(sr.request.request_id)
+        assert len(s.running) <= 2
+    assert finished == ["r0", "r1", "r2", "r3"]
+
+
+def test_prefix_cache_hit_skips_computed_prompt():
+    s = make(block_size=4)
+    add(s, "a", range(10))
+    step(s)
+    b = add(s, "b", list(range(8)) + [77, 78, 79])
+    out = step(s)
+    assert chunks(out) == [("a", 1), ("b", 3)]
+    assert b.num_cached_tokens == 8 and b.block_ids[:2] == s.running[0].block_ids[:2]
+
+
+def test_preempts_newest_and_recomputes_to_completion():
+    # 4 blocks of 2 tokens; two 3-token prompts each grow to 7 tokens (4 blocks): they cannot both fit.
+    s = make(num_blocks=4, block_size=2)
+    a, b = add(s, "a", [10, 11, 12]), add(s, "b", [20, 21, 22])
+    assert chunks(step(s, finish_at=4)) == [("a", 3), ("b", 3)]   # 2 blocks each, cache full
+    assert chunks(step(s, finish_at=4)) == [("a", 1), ("b", 1)]   # 4 tokens still fit in 2 blocks
+    out = step(s, finish_at=4)                                      # a needs a 3rd block: evict b
+    assert chunks(out) == [("a", 1)] and out.preempted == [b]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.block_ids == []
+    assert list(s.waiting) == [b] and s.num_preemptions == 1
+    while s.has_unfinished():
+        out = step(s, finish_at=4)
+        assert not out.is_empty
+    assert a.output_token_ids == [1] * 4 and b.output_token_ids == [1] * 4
+    assert a.finish_reason == b.finish_reason == "length"
+    assert s.block_manager.num_free_blocks == 4 and s.num_preemptions == 1
+    assert b.num_cached_tokens == 0   # set on first admission only, not on resume
+
+
+def test_request_that_needs_a_block_preempts_itself():
+    s = make(num_blocks=4, block_size=2)
+    a, b = add(s, "a", [1, 2, 3]), add(s, "b", [5, 6, 7, 8])
+    step(s)                                  # a: 4 tokens in 2 blocks; b: 5 tokens, needs a 3rd
+    out = step(s)
+    assert chunks(out) == [("a", 1)] and out.preempted == [b] and s.running == [a]
+
+
+def test_abort_frees_blocks_and_dequeues():
+    s = make(num_blocks=8, block_size=4, max_num_seqs=1)
+    a, b = add(s, "a", range(6)), add(s, "b", range(6))
+    step(s)
+    assert s.block_manager.num_free_blocks == 6
+    assert s.abort_request("a") is a
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.finish_reason == "abort"
+    assert a.block_ids == [] and s.block_manager.num_free_blocks == 8 and s.running == []
+    assert s.abort_request("b") is b and not s.waiting and not s.has_unfinished()
+    assert s.abort_request("a") is None and s.abort_request("nope") is None
+
+
+def test_abort_between_schedule_and_update_is_skipped():
+    s = make()
+    a = add(s, "a", range(5))
+    out = s.schedule()
+    s.abort_request("a")
+    s.update_from_output(out, {"a": 1})
+    assert a.num_output_tokens == 0 and s.block_manager.num_free_blocks == 64
+
+
+def test_sampling_an_incomplete_prompt_is_an_error():
+    s = make(max_num_batched_tokens=2)
+    add(s, "a", range(5))
+    with pytest.raises(ValueError, match="only 2 of 5 tokens computed"):
+        s.update_from_output(s.schedule(), {"a": 1})
+
+
+def test_request_that_can_never_fit_raises():
+    s = make(num_blocks=2, block_size=2)
+    add(s, "big", range(5))
+    with pytest.raises(RuntimeError, match="needs 3 KV blocks for 5 tokens but the cache has only 2"):
+        s.schedule()
+
+
+def test_duplicate_request_id_rejected():
+    s = make()
+    add(s, "a", [1])
+    with pytest.raises(ValueError, match="already in use"):
+        add(s, "a", [2])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_workload_invariants(seed):
+    rng = random.Random(seed)
+    cfg = dict(max_num_seqs=6, max_num_batched_tokens=16, long_prefill_token_threshold=rng.choice([0, 5]))
+    s = make(num_blocks=24, block_size=4, **cfg)
+    prefixes = [[rng.randrange(50) for _ in range(8)] for _ in range(3)]
+    reqs = [add(s, f"r{i}", rng.choice(prefixes)[:rng.randrange(1, 9)] + [rng.randrange(50)
+                                                                           for _ in range(rng.randrange(20))])
+            for i in range(20)]
+    for _ in range(2000):
+        if not s.has_unfinished():
+            break
+        out = step(s, finish_at=5)
+        assert out.num_batched_tokens == sum(x.num_new_tokens for x in out.scheduled) <= 16
+        assert len(s.running) <= 6
+        for r in s.running:
+            assert len(r.block_ids) * 4 >= r.num_computed_tokens
+    assert not s.has_unfinished()
+    assert all(r.output_token_ids == [1] * 5 and r.num_computed_tokens == r.num_tokens - 1 for r in reqs)
+    bm = s.block_manager
+    assert bm.num_free_blocks == 24 and sum(bm.ref_counts) == 0 and bm.prefix_cache_hit_tokens > 0
