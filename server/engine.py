@@ -31,11 +31,12 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        num_blocks = -(-config.kv_cache_tokens // config.block_size)
+        # a sequence can never outgrow the KV cache, so it caps the model length too
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size)
         self.dtype = config.torch_dtype(mc.torch_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id
-        num_blocks = -(-config.kv_cache_tokens // config.block_size)
         t0 = time.perf_counter()
         self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size,
                                   config.torch_device(), seed=config.seed)

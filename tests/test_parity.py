@@ -1,0 +1,113 @@
+"""Greedy float32 tokens and logprobs of the engine equal transformers' implementation of the same
+checkpoint, for V3-style (YaRN, sigmoid + bias, noaux_tc), V2-Lite-style (no q_lora, softmax, greedy)
+and V2 group-limited routing; in one mixed batch, under KV pressure (preemptions) and with shared
+prefixes (prefix-cache hits)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from moe.tiny import load_reference_model
+from server import LLM, SamplingParams
+
+MAX_TOKENS = 12
+PREFIX = "In a distant land, the council of experts met every morning to decide which tokens "
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    PREFIX + "should travel first.",
+    PREFIX + "would be left behind, and why.",
+    "Once upon a time there was a little model that wanted to route every token to the best expert it "
+    "could find, so it studied the load of each expert carefully before making a choice.",
+    "1 2 3 4 5",
+    PREFIX + "had waited longest.",
+    "Why?",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(ckpt: str, prompt_ids: tuple[tuple[int, ...], ...]):
+    """transformers' greedy tokens and per-step log-softmax, one prompt at a time (no padding)."""
+    model = load_reference_model(ckpt, torch.float32)
+    model.generation_config.eos_token_id = None
+    results = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            g = model.generate(x, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+        tokens = g.sequences[0, x.shape[1]:].tolist()
+        logprobs = [step[0].float().log_softmax(-1) for step in g.logits]
+        results.append((tokens, logprobs))
+    return results
+
+
+def _run(ckpt: str, prompts=PROMPTS, **llm_kw):
+    llm = LLM(ckpt, dtype="float32", **llm_kw)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params)
+    prompt_ids = tuple(tuple(o.prompt_token_ids) for o in outs)
+    return llm, outs, reference(ckpt, prompt_ids)
+
+
+def _assert_same(outs, ref):
+    for out, (ref_tokens, _) in zip(outs, ref):
+        assert out.outputs[0].token_ids == ref_tokens, f"prompt {out.prompt!r}"
+
+
+@pytest.mark.parametrize("preset", ["v3", "v2", "v2-group"])
+def test_greedy_batch_matches_transformers(checkpoint, preset):
+    llm, outs, ref = _run(checkpoint(preset))
+    _assert_same(outs, ref)
+    for out, (_, ref_logprobs) in zip(outs, ref):
+        for step, (chosen, ref_lp) in enumerate(zip(out.outputs[0].token_ids, ref_logprobs)):
+            got = out.outputs[0].logprobs[step]
+            assert chosen in got and len(got) >= 3
+            for token, lp in got.items():
+                assert abs(lp - ref_lp[token].item()) < 1e-4, (out.prompt, step, token)
+
+
+@pytest.mark.parametrize("preset", ["v3", "v2"])
+def test_preemption_and_prefix_cache_keep_tokens(checkpoint, preset):
+    ckpt = checkpoint(preset)
+    # 14 blocks of 8 tokens hold the longest sequence (86 + 12 tokens) but not all 8 at once (about 370
+    # tokens): the newest get preempted and recomputed
+    llm, outs, ref = _run(ckpt, kv_cache_tokens=112, block_size=8, max_num_batched_tokens=64)
+    _assert_same(outs, ref)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0  # the shared PREFIX prompts reuse cached blocks
+    assert stats["prefix_cache_query_tokens"] >= stats["prefix_cache_hit_tokens"]
+    # a second round of the same prompts is served largely from the prefix cache, same tokens
+    again = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    _assert_same(again, ref)
+
+
+def test_chunked_prefill_with_tiny_budget(checkpoint):
+    ckpt = checkpoint("v3")
+    llm, outs, ref = _run(ckpt, max_num_batched_tokens=7, max_num_seqs=3)
+    _assert_same(outs, ref)
+
+
+def test_fp8_checkpoint_matches_dequantized_reference(checkpoint):
+    llm, outs, ref = _run(checkpoint("v3", fp8=True))
+    _assert_same(outs, ref)
+
+
+def test_mtp_layers_are_skipped(checkpoint, caplog):
+    caplog.set_level("INFO")
+    llm, outs, ref = _run(checkpoint("v3", mtp=True), prompts=PROMPTS[:3])
+    _assert_same(outs, ref)
+    assert any("MTP" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("dtype,nbytes", [("float32", 4), ("bfloat16", 2)])
+def test_kv_cache_holds_only_the_latent(checkpoint, dtype, nbytes):
+    llm = LLM(checkpoint("v3"), dtype=dtype)
+    cfg = llm.engine.model_config
+    assert llm.stats()["kv_cache_bytes_per_token"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * nbytes
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) >= 1
