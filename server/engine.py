@@ -82,6 +82,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule -> run -> update. Returns an output for every request that got a token."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -102,8 +103,8 @@ class LLMEngine:
             status = self._check_stop(req, result.token_id)
             if status is not None:
                 self.scheduler.finish_request(req, status)
-                outputs.append(self._make_output(req))
                 del self.requests[rid]
+            outputs.append(self._make_output(req, finished=status is not None))
         return outputs
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
@@ -129,17 +130,23 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, req: Request) -> RequestOutput:
+    def _make_output(self, req: Request, finished: bool) -> RequestOutput:
+        """Cumulative output of a request; its text is decoded only once it has finished."""
         p = req.sampling_params
         token_ids = list(req.output_token_ids)
-        text = req.text if req.stop_reason is not None and isinstance(req.stop_reason, str) else \
-            self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if not finished:
+            text = ""
+        elif isinstance(req.stop_reason, str):
+            text = req.text
+        else:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids,
             cumulative_logprob=getattr(req, "cumulative_logprob", None) if p.logprobs is not None else None,
             logprobs=list(req.output_logprobs) if p.logprobs is not None else None,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], True, req.num_cached_tokens)
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished,
+                             req.num_cached_tokens)
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -59,7 +59,8 @@ class LLM:
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             for out in engine.step():
-                finished[out.request_id] = out
+                if out.finished:
+                    finished[out.request_id] = out
         self.last_generate_seconds = time.perf_counter() - t0
         results = []
         for ids_i in added:
