@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from moe.config import ModelConfig
+from moe.fp8_block import dequantize_fp8_block
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,6 @@ def checkpoint_files(model_dir: Path) -> dict[str, str]:
         with safe_open(single, "pt") as f:
             return {name: single.name for name in f.keys()}
     raise ValueError(f"model {str(model_dir)!r} has no model.safetensors.index.json or model.safetensors")
-
-
-def dequantize_fp8_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Real weight = fp8 value x the scale of its (block[0] x block[1]) block."""
-    rows, cols = w_fp8.shape
-    scale = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
-    return w_fp8.float() * scale
 
 
 class _ShardReader:
@@ -94,7 +88,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str | Path, cfg: ModelCon
                 scale_name = name + "_scale_inv"
                 if scale_name not in weight_map:
                     raise ValueError(f"FP8 tensor {name} in {file} has no {scale_name} in the checkpoint")
-                tensor = dequantize_fp8_blocks(tensor, reader.get(scale_name), cfg.quant_block_shape or (128, 128))
+                tensor = dequantize_fp8_block(tensor, reader.get(scale_name), cfg.quant_block_shape or (128, 128))
             _copy_into(model, params, name, tensor, file)
             loaded.add(name)
     if skipped_mtp:
