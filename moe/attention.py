@@ -18,6 +18,7 @@ from torch import nn
 
 from moe.config import ModelConfig
 from moe.layers import RMSNorm, RotaryEmbedding
+from moe.parallel_linear import ColumnParallelLinear, RowParallelLinear, group_rank_size
 
 
 @dataclass
@@ -46,24 +47,29 @@ class AttentionMetadata:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp_group=None):
+        """Heads are split over `tp_group`; every rank keeps the whole latent cache of its tokens
+        (the latent is shared by all heads), and o_proj's all-reduce assembles the output."""
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
+        _, tp = group_rank_size(tp_group)
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"tensor parallel size {tp} does not divide {cfg.num_attention_heads} attention heads")
+        self.num_heads = cfg.num_attention_heads // tp
         self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.scale = cfg.softmax_scale
         self.rope = rope
-        H, N = cfg.hidden_size, self.num_heads
+        H, N_all = cfg.hidden_size, cfg.num_attention_heads
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(H, N * cfg.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(H, N_all * cfg.qk_head_dim, tp_group)
         else:
-            self.q_a_proj = nn.Linear(H, self.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = nn.Linear(H, self.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, N * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, N_all * cfg.qk_head_dim, tp_group)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, N * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(N * self.v_dim, H, bias=cfg.attention_bias)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, N_all * (self.nope_dim + self.v_dim), tp_group)
+        self.o_proj = RowParallelLinear(N_all * self.v_dim, H, tp_group)
         self.w_uk_NDC: torch.Tensor | None = None
         self.w_uv_NVC: torch.Tensor | None = None
 

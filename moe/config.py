@@ -70,6 +70,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+        if self.attention_bias:
+            raise ValueError("attention_bias true is not supported (DeepSeek-V2/V3 checkpoints have none)")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; only 'silu'")
         if self.topk_method not in TOPK_METHODS:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.config import ModelConfig, yarn_mscale
+from moe.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -88,13 +89,14 @@ class RotaryEmbedding(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense SiLU-gated MLP (the first dense layers and the shared experts)."""
+    """Dense SiLU-gated MLP (the first dense layers and the shared experts), tensor-parallel over
+    `tp_group` by intermediate columns. With `reduce=False` it returns this rank's partial sum."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_group=None, reduce: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp_group)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_group, reduce=reduce)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))

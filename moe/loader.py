@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from moe.config import ModelConfig
 from moe.fp8_block import dequantize_fp8_block
+from moe.parallel_linear import shard_for
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,10 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str | Path, cfg: ModelCon
     reader = _ShardReader(model_dir, weight_map)
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {n for n in params if ".mlp.experts." not in n}
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and model.model.is_first:
         expected.discard("lm_head.weight")
     for i, layer in enumerate(model.model.layers):
-        experts = getattr(layer.mlp, "experts", None)
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
         if experts is not None:
             expected |= {f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for e in set(experts.slot_to_expert)
                          for p in ("gate_proj", "up_proj", "down_proj")}
@@ -77,6 +78,8 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str | Path, cfg: ModelCon
             m = _LAYER_KEY.match(name)
             if m and int(m.group(1)) >= cfg.num_hidden_layers:
                 skipped_mtp += 1  # multi-token-prediction layers are not used for serving
+                continue
+            if _on_other_stage(model, name):
                 continue
             if name not in expected:
                 if name.endswith("rotary_emb.inv_freq"):
@@ -100,6 +103,18 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str | Path, cfg: ModelCon
     model.after_loading()
 
 
+def _on_other_stage(model, name: str) -> bool:
+    """True for tensors that belong to layers (or embedding / head) of another pipeline stage."""
+    m = _LAYER_KEY.match(name)
+    if m:
+        return not model.model.start <= int(m.group(1)) < model.model.end
+    if name.startswith("model.embed_tokens."):
+        return not model.model.is_first
+    if name.startswith(("model.norm.", "lm_head.")):
+        return not model.model.is_last
+    return False
+
+
 def _copy_into(model, params: dict, name: str, tensor: torch.Tensor, file: str) -> None:
     m = _EXPERT_KEY.match(name)
     if m:
@@ -111,6 +126,10 @@ def _copy_into(model, params: dict, name: str, tensor: torch.Tensor, file: str) 
                 raise ValueError(f"tensor {name} in {file}: {exc}") from None
         return
     param = params[name]
+    try:
+        tensor = shard_for(param, tensor)
+    except ValueError as exc:
+        raise ValueError(f"tensor {name} in {file}: {exc}") from None
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"tensor {name} in {file} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
     with torch.no_grad():

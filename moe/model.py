@@ -6,6 +6,8 @@ Legend: T = tokens in the step, H = hidden size, V = vocabulary, E = routed expe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -15,6 +17,7 @@ from kernels import fused_moe
 from moe.attention import AttentionMetadata, MLAttention
 from moe.config import ModelConfig
 from moe.layers import MLP, RMSNorm, RotaryEmbedding
+from moe.parallel_linear import ParallelLMHead, VocabParallelEmbedding, all_reduce, group_rank_size
 
 
 class Gate(nn.Module):
@@ -26,29 +29,73 @@ class Gate(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router -> routed experts (grouped GEMM) -> + shared experts."""
+    """Router -> routed experts -> + shared experts.
 
-    def __init__(self, cfg: ModelConfig):
+    Without expert parallelism every rank holds every expert, tensor-parallel over `tp_group`, and
+    one all-reduce sums routed and shared partial outputs. With it (`ep_group` of size > 1) rank r
+    of the EP group holds slots [r * S, (r + 1) * S): each TP rank dispatches its share of the tokens
+    to the ranks holding their experts, computes what it received with `fused_moe`, combines the
+    results back, and the same single all-reduce over `tp_group` assembles tokens and shared experts.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None):
         super().__init__()
         self.router_config = RouterConfig.from_model(cfg)
+        self.tp_group, self.ep_group = tp_group, ep_group
+        tp_rank, tp_size = group_rank_size(tp_group)
+        ep_rank, ep_size = group_rank_size(ep_group)
+        E = cfg.n_routed_experts
+        if E % ep_size:
+            raise ValueError(f"expert parallel size {ep_size} does not divide {E} experts")
+        self.slots_per_rank = E // ep_size
         self.gate = Gate(cfg)
-        self.experts = ExpertWeights(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        slots = list(range(ep_rank * self.slots_per_rank, (ep_rank + 1) * self.slots_per_rank))
+        if ep_size > 1:  # experts whole on their EP rank
+            self.experts = ExpertWeights(slots, cfg.hidden_size, cfg.moe_intermediate_size)
+        else:  # every expert here, sharded over TP
+            self.experts = ExpertWeights(slots, cfg.hidden_size, cfg.moe_intermediate_size, tp_rank, tp_size)
         n_shared = cfg.n_shared_experts or 0
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared) if n_shared else None
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared, tp_group, reduce=False)
+                               if n_shared else None)
+        # Expert-load hook: called with topk_ids_TK every forward (balancer.stats.ExpertLoadRecorder.record
+        # bound to this layer); it counts on the device, without a host sync. None = not recording.
+        self.load_recorder: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         topk_weights_TK, topk_ids_TK = route(x_TH, self.gate.weight, self.router_config, self.gate.e_score_correction_bias)
-        y_TH = fused_moe(x_TH, self.experts.w13, self.experts.w2, topk_weights_TK, topk_ids_TK)
+        if self.load_recorder is not None:
+            self.load_recorder(topk_ids_TK)
+        w13, w2 = self.experts.w13, self.experts.w2
+        if group_rank_size(self.ep_group)[1] == 1:
+            y_TH = fused_moe(x_TH, w13, w2, topk_weights_TK, topk_ids_TK)
+        else:
+            y_TH = self._expert_parallel(x_TH, topk_weights_TK, topk_ids_TK)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH)
+        return all_reduce(y_TH, self.tp_group)
+
+    def _expert_parallel(self, x_TH, topk_weights_TK, topk_ids_TK) -> torch.Tensor:
+        """Each TP rank dispatches rows [lo, hi) of the (TP-replicated) tokens; the rows of the other
+        TP ranks stay 0 here and arrive through the all-reduce."""
+        from experts.dispatch import combine, dispatch
+
+        tp_rank, tp_size = group_rank_size(self.tp_group)
+        T = x_TH.shape[0]
+        lo, hi = T * tp_rank // tp_size, T * (tp_rank + 1) // tp_size
+        recv_x, recv_ids, recv_w, handle = dispatch(x_TH[lo:hi], topk_ids_TK[lo:hi], topk_weights_TK[lo:hi],
+                                                    self.slots_per_rank, self.ep_group)
+        y_recv = fused_moe(recv_x, self.experts.w13, self.experts.w2, recv_w, recv_ids)
+        y_TH = torch.zeros_like(x_TH)
+        y_TH[lo:hi] = combine(y_recv, handle, self.ep_group)
         return y_TH
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding, tp_group=None, ep_group=None):
         super().__init__()
-        self.self_attn = MLAttention(cfg, rope)
-        self.mlp = MoEBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = MLAttention(cfg, rope, tp_group)
+        self.mlp = (MoEBlock(cfg, tp_group, ep_group) if cfg.is_moe_layer(layer_idx)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, tp_group))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -57,42 +104,60 @@ class DecoderLayer(nn.Module):
         return x_TH + self.mlp(self.post_attention_layernorm(x_TH))
 
 
-class DeepseekModel(nn.Module):
-    """Parameter names match the checkpoint's (`model.layers.3.self_attn.kv_b_proj.weight`, ...)."""
+class MissingLayer(nn.Module):
+    """Placeholder for a layer that lives on another pipeline stage (keeps checkpoint names aligned)."""
 
-    def __init__(self, cfg: ModelConfig):
+
+class DeepseekModel(nn.Module):
+    """Parameter names match the checkpoint's (`model.layers.3.self_attn.kv_b_proj.weight`, ...).
+    A pipeline stage holds layers [start, end); the first stage the embedding, the last the norm."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, layer_range: tuple[int, int] | None = None):
         super().__init__()
         self.config = cfg
+        self.start, self.end = layer_range or (0, cfg.num_hidden_layers)
+        self.is_first, self.is_last = self.start == 0, self.end == cfg.num_hidden_layers
         self.rope = RotaryEmbedding(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group) if self.is_first else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rope, tp_group, ep_group) if self.start <= i < self.end else MissingLayer()
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 
-    def forward(self, input_ids_T, positions_T, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x_TH = self.embed_tokens(input_ids_T)
+    def forward(self, input_ids_T, positions_T, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                hidden_TH: torch.Tensor | None = None) -> torch.Tensor:
+        """`kv_caches` holds this stage's layers in order; later stages pass the previous stage's
+        hidden states instead of token ids."""
+        x_TH = self.embed_tokens(input_ids_T) if self.is_first else hidden_TH
         cos_TR2, sin_TR2 = self.rope.cos_sin(positions_T)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches):
             x_TH = layer(x_TH, cos_TR2, sin_TR2, kv_cache, meta)
-        return self.norm(x_TH)
+        return self.norm(x_TH) if self.is_last else x_TH
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, layer_range: tuple[int, int] | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DeepseekModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = DeepseekModel(cfg, tp_group, ep_group, layer_range)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp_group) if self.model.is_last else None
         if cfg.tie_word_embeddings:
+            if not (self.model.is_first and self.model.is_last):
+                raise ValueError("tie_word_embeddings is not supported with pipeline parallelism")
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids_T, positions_T, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids_T, positions_T, kv_caches, meta)
+    @property
+    def num_local_layers(self) -> int:
+        return self.model.end - self.model.start
+
+    def forward(self, input_ids_T, positions_T, kv_caches, meta: AttentionMetadata, hidden_TH=None) -> torch.Tensor:
+        return self.model(input_ids_T, positions_T, kv_caches, meta, hidden_TH)
 
     def compute_logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_TH).float()
 
     def after_loading(self) -> None:
-        for layer in self.model.layers:
+        for layer in self.model.layers[self.model.start:self.model.end]:
             layer.self_attn.absorb_weights()
 
 

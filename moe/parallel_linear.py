@@ -1,0 +1,121 @@
+"""Tensor-parallel layers. Each receives its process group and issues its own collective.
+
+A `None` group (or a group of one) means no tensor parallelism: the layers are plain ones. Every
+sharded parameter carries `shard_dim`, `shard_rank` and `shard_size`, so the loader slices the full
+checkpoint tensor it reads (see `shard_for`).
+Legend: T = tokens, I/O = in/out features, V = vocabulary, H = hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def group_rank_size(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _mark(param: nn.Parameter, dim: int, rank: int, size: int) -> nn.Parameter:
+    param.shard_dim, param.shard_rank, param.shard_size = dim, rank, size
+    return param
+
+
+def shard_for(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The slice of a full checkpoint tensor that this rank's parameter holds."""
+    size = getattr(param, "shard_size", 1)
+    if size == 1:
+        return full
+    dim, rank = param.shard_dim, param.shard_rank
+    if full.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split over {size} tensor-parallel ranks")
+    step = full.shape[dim] // size
+    return full.narrow(dim, rank * step, step)
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split over the group; each rank keeps its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, group=None, bias: bool = False):
+        super().__init__()
+        rank, size = group_rank_size(group)
+        if out_features % size:
+            raise ValueError(f"tensor parallel size {size} does not divide {out_features} output features")
+        self.weight = _mark(nn.Parameter(torch.empty(out_features // size, in_features), requires_grad=False), 0, rank, size)
+        self.bias = _mark(nn.Parameter(torch.empty(out_features // size), requires_grad=False), 0, rank, size) if bias else None
+
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TI, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over the group; partial sums are all-reduced
+    (unless `reduce=False`: the caller reduces once for several partial sums). No bias: DeepSeek
+    models have none here."""
+
+    def __init__(self, in_features: int, out_features: int, group=None, reduce: bool = True):
+        super().__init__()
+        self.group, self.reduce = group, reduce
+        rank, size = group_rank_size(group)
+        if in_features % size:
+            raise ValueError(f"tensor parallel size {size} does not divide {in_features} input features")
+        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // size), requires_grad=False), 1, rank, size)
+
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+        y_TO = F.linear(x_TI, self.weight)
+        return all_reduce(y_TO, self.group) if self.reduce else y_TO
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous range of vocabulary rows; rows owned elsewhere embed to 0, then
+    one all-reduce assembles every token's embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group=None):
+        super().__init__()
+        self.group = group
+        rank, size = group_rank_size(group)
+        if vocab_size % size:
+            raise ValueError(f"tensor parallel size {size} does not divide the vocabulary of {vocab_size}")
+        self.per_rank = vocab_size // size
+        self.start = rank * self.per_rank
+        self.weight = _mark(nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False), 0, rank, size)
+
+    def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
+        if self.per_rank == self.weight.shape[0] and self.group is None:
+            return F.embedding(ids_T, self.weight)
+        local_T = ids_T - self.start
+        outside_T = (local_T < 0) | (local_T >= self.per_rank)
+        x_TH = F.embedding(local_T.masked_fill(outside_T, 0), self.weight)
+        x_TH = x_TH.masked_fill(outside_T[:, None], 0)
+        return all_reduce(x_TH, self.group)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocabulary-parallel output projection; logits are gathered so every rank sees all of them."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, group=None):
+        super().__init__()
+        self.group = group
+        rank, size = group_rank_size(group)
+        if vocab_size % size:
+            raise ValueError(f"tensor parallel size {size} does not divide the vocabulary of {vocab_size}")
+        self.weight = _mark(nn.Parameter(torch.empty(vocab_size // size, hidden_size), requires_grad=False), 0, rank, size)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        logits_TV = F.linear(x_TH, self.weight)
+        _, size = group_rank_size(self.group)
+        if size == 1:
+            return logits_TV
+        parts = [torch.empty_like(logits_TV) for _ in range(size)]
+        dist.all_gather(parts, logits_TV.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
