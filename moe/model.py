@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from experts.dispatch import DispatchStats, combine, dispatch
 from experts.router import RouterConfig, route
 from experts.weights import ExpertWeights
 from kernels import fused_moe
@@ -57,6 +58,7 @@ class MoEBlock(nn.Module):
         n_shared = cfg.n_shared_experts or 0
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared, tp_group, reduce=False)
                                if n_shared else None)
+        self.comm_stats = DispatchStats()  # running totals of what dispatch and combine moved
         # Expert-load hook: called with topk_ids_TK every forward (balancer.stats.ExpertLoadRecorder.record
         # bound to this layer); it counts on the device, without a host sync. None = not recording.
         self.load_recorder: Callable[[torch.Tensor], None] | None = None
@@ -77,8 +79,6 @@ class MoEBlock(nn.Module):
     def _expert_parallel(self, x_TH, topk_weights_TK, topk_ids_TK) -> torch.Tensor:
         """Each TP rank dispatches rows [lo, hi) of the (TP-replicated) tokens; the rows of the other
         TP ranks stay 0 here and arrive through the all-reduce."""
-        from experts.dispatch import combine, dispatch
-
         tp_rank, tp_size = group_rank_size(self.tp_group)
         T = x_TH.shape[0]
         lo, hi = T * tp_rank // tp_size, T * (tp_rank + 1) // tp_size
@@ -87,6 +87,7 @@ class MoEBlock(nn.Module):
         y_recv = fused_moe(recv_x, self.experts.w13, self.experts.w2, recv_w, recv_ids)
         y_TH = torch.zeros_like(x_TH)
         y_TH[lo:hi] = combine(y_recv, handle, self.ep_group)
+        self.comm_stats = self.comm_stats + handle.stats
         return y_TH
 
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel layers. Each receives its process group and issues its own collective.
+"""Tensor-parallel layers. Each receives its group (`parallel.comm.Group`) and issues its own collective.
 
 A `None` group (or a group of one) means no tensor parallelism: the layers are plain ones. Every
 sharded parameter carries `shard_dim`, `shard_rank` and `shard_size`, so the loader slices the full
@@ -9,15 +9,14 @@ Legend: T = tokens, I/O = in/out features, V = vocabulary, H = hidden size.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parallel import comm
 
-def group_rank_size(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+
+def group_rank_size(group: comm.Group | None) -> tuple[int, int]:
+    return (0, 1) if group is None else (group.index, group.size)
 
 
 def _mark(param: nn.Parameter, dim: int, rank: int, size: int) -> nn.Parameter:
@@ -37,10 +36,8 @@ def shard_for(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full.narrow(dim, rank * step, step)
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
+def all_reduce(x: torch.Tensor, group: comm.Group | None) -> torch.Tensor:
+    return x if group is None else comm.all_reduce(x, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -91,7 +88,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _mark(nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False), 0, rank, size)
 
     def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
-        if self.per_rank == self.weight.shape[0] and self.group is None:
+        if group_rank_size(self.group)[1] == 1:
             return F.embedding(ids_T, self.weight)
         local_T = ids_T - self.start
         outside_T = (local_T < 0) | (local_T >= self.per_rank)
@@ -113,9 +110,4 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         logits_TV = F.linear(x_TH, self.weight)
-        _, size = group_rank_size(self.group)
-        if size == 1:
-            return logits_TV
-        parts = [torch.empty_like(logits_TV) for _ in range(size)]
-        dist.all_gather(parts, logits_TV.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return logits_TV if self.group is None else comm.all_gather(logits_TV, self.group, dim=-1)

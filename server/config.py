@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.config import ParallelConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -21,7 +23,12 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     seed: int = 0
-    device: str = "auto"  # auto = cuda when available, else cpu
+    device: str = "auto"  # auto = cuda when available, else cpu (under torchrun: cuda:LOCAL_RANK)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.dtype not in (*DTYPES, "auto"):
@@ -39,6 +46,10 @@ class EngineConfig:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         return DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
+                              self.enable_expert_parallel, self.collective_timeout_s)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

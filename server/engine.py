@@ -6,6 +6,8 @@ records the new tokens, applies stop conditions, frees what finished and reports
 
 from __future__ import annotations
 
+import functools
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,7 +15,12 @@ import time
 import torch
 from transformers import AutoTokenizer
 
+from balancer.stats import ExpertLoadRecorder
+from experts.dispatch import DispatchStats
 from moe.config import ModelConfig
+from parallel import comm
+from parallel.state import init_parallel, log_rank_table
+from moe.model import MoEBlock
 from server.block_manager import BlockManager
 from server.config import EngineConfig
 from server.outputs import CompletionOutput, RequestOutput
@@ -37,9 +44,14 @@ class LLMEngine:
         self.dtype = config.torch_dtype(mc.torch_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id
+        pcfg = config.parallel_config()
+        pcfg.validate_against(mc.n_routed_experts or pcfg.ep_size, mc.num_attention_heads, mc.num_hidden_layers,
+                              mc.vocab_size)  # before any weight loads
+        self.parallel = init_parallel(pcfg, device=None if config.device == "auto" else config.device)
+        log_rank_table(self.parallel)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size,
-                                  config.torch_device(), seed=config.seed)
+        self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size, self.parallel,
+                                  seed=config.seed)
         log.info("loaded %s (%s) in %.1f s", config.model, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -80,12 +92,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def any_rank_has_work(self) -> bool:
+        """True while any rank of the job has unfinished requests (every rank must call it each step)."""
+        if self.parallel.cpu.size == 1:
+            return self.has_unfinished_requests()
+        flag = torch.tensor([int(self.has_unfinished_requests())])
+        return bool(comm.all_reduce(flag, self.parallel.cpu, op=torch.distributed.ReduceOp.MAX).item())
+
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule -> run -> update. Returns an output for every request that got a token."""
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
+        if sched.is_empty and self.parallel.world.size == 1:
+            return []  # alone, an idle step does nothing; in a job it is a dummy batch for the collectives
         sampled = self.runner.execute(sched)
         return self._update(sched, sampled)
 
@@ -148,9 +167,16 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished,
                              req.num_cached_tokens)
 
+    def comm_stats(self) -> dict:
+        """What this rank's MoE dispatch and combine sent so far (all layers), and in the last step."""
+        total = DispatchStats()
+        for layer in self.runner.model.model.layers:
+            total = total + getattr(getattr(layer, "mlp", None), "comm_stats", DispatchStats())
+        return {f"dispatch_{k}": v for k, v in dataclasses.asdict(total).items()}
+
     def stats(self) -> dict:
         bm = self.block_manager
-        return {
+        return {**self.comm_stats(),
             "kv_cache_tokens_total": self.kv_cache_tokens_total,
             "kv_cache_bytes_per_token": self.model_config.num_hidden_layers * self.model_config.kv_cache_dim
             * self.dtype.itemsize,
@@ -162,3 +188,18 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_generated_tokens": self.num_generated_tokens,
         }
+
+    # ---- expert load (read by the server's engine loop) -----------------------------------------
+    def enable_expert_load_recording(self, window_steps: int = 1000) -> ExpertLoadRecorder:
+        """Attach one ExpertLoadRecorder to every MoE block (once; later calls return it). The caller
+        closes each step with `recorder.end_step()`."""
+        recorder = getattr(self, "expert_load_recorder", None)
+        if recorder is None:
+            blocks = [(i, layer.mlp) for i, layer in enumerate(self.runner.model.model.layers)
+                      if isinstance(getattr(layer, "mlp", None), MoEBlock)]
+            recorder = ExpertLoadRecorder(len(blocks), self.model_config.n_routed_experts, window_steps=window_steps,
+                                          layer_ids=[i for i, _ in blocks], device=self.runner.device)
+            for j, (_, block) in enumerate(blocks):
+                block.load_recorder = functools.partial(recorder.record, j)
+            self.expert_load_recorder = recorder
+        return recorder

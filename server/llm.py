@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from server.config import EngineConfig
 from server.engine import LLMEngine
-from server.outputs import RequestOutput
+from parallel import comm
+from server.outputs import CompletionOutput, RequestOutput
 from server.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -17,11 +18,17 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
+def _int_keys(logprobs: list[dict] | None) -> list[dict[int, float]] | None:
+    """msgpack keeps int keys, but be explicit: logprob dicts are keyed by token id."""
+    return None if logprobs is None else [{int(k): v for k, v in step.items()} for step in logprobs]
+
+
 class LLM:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self.tokenizer = self.engine.tokenizer
         self.last_generate_seconds = 0.0
+        self._num_calls = 0
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -41,14 +48,18 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
         tokenized = [self._tokenize(p) for p in prompts]  # validate everything before adding anything
+        self._num_calls += 1  # request ids must be the same on every rank: no clocks in them
         engine = self.engine
+        dp = engine.parallel.dp
+        mine = [i for i in range(len(prompts)) if i % dp.size == dp.index]  # this DP rank's share
         added: list[list[str]] = []
         try:
-            for i, ((text, ids), p) in enumerate(zip(tokenized, params_list)):
+            for i in mine:
+                (text, ids), p = tokenized[i], params_list[i]
                 ids_i = []
                 for j in range(p.n):  # n samples = n requests; seeds stay distinct but reproducible
                     pj = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                    ids_i.append(engine.add_request(ids, pj, request_id=f"gen-{time.monotonic_ns()}-{i}-{j}", prompt=text))
+                    ids_i.append(engine.add_request(ids, pj, request_id=f"gen-{self._num_calls}-{i}-{j}", prompt=text))
                 added.append(ids_i)
         except ValueError:
             for ids_i in added:
@@ -57,7 +68,7 @@ class LLM:
             raise
         finished: dict[str, RequestOutput] = {}
         t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
+        while engine.any_rank_has_work():
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out
@@ -69,7 +80,16 @@ class LLM:
                 extra = finished[rid].outputs[0]
                 first.outputs.append(dataclasses.replace(extra, index=j))
             results.append(first)
-        return results
+        if dp.size == 1:
+            return results
+        # every rank returns every output: gather the DP ranks' shares, put them back in prompt order
+        shares = comm.all_gather_object([dataclasses.asdict(r) for r in results], dp)
+        ordered: list[RequestOutput | None] = [None] * len(prompts)
+        for d, share in enumerate(shares):
+            for k, r in enumerate(share):
+                outs = [CompletionOutput(**{**c, "logprobs": _int_keys(c["logprobs"])}) for c in r.pop("outputs")]
+                ordered[d + k * dp.size] = RequestOutput(**r, outputs=outs)
+        return ordered
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -15,6 +15,9 @@ from moe.attention import AttentionMetadata, PrefillSeq
 from moe.config import ModelConfig
 from moe.loader import load_checkpoint
 from moe.model import DeepseekForCausalLM
+from parallel import comm
+from parallel.pipeline import stage_layer_range
+from parallel.state import ParallelState
 from server.sampler import SampleResult, sample
 from server.scheduler import SchedulerOutput
 
@@ -22,24 +25,33 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    """Holds this rank's part of the model and its KV caches. Under pipeline parallelism a stage
+    receives the previous stage's hidden states and sends its own on; the last stage samples and
+    broadcasts the sampled tokens back to every stage, so all ranks update the same way."""
+
     def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 device: torch.device, seed: int = 0):
-        self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, device, block_size
+                 state: ParallelState, seed: int = 0):
+        self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, state.device, block_size
+        self.pp = state.pp
+        pcfg = state.config
+        layer_range = stage_layer_range(cfg.num_hidden_layers, pcfg.pipeline_parallel_size, state.coords.pp_rank)
+        tp = state.tp if state.tp.size > 1 else None
+        ep = state.ep if state.ep.size > 1 else None
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(device):
-                self.model = DeepseekForCausalLM(cfg)
+            with torch.device(self.device):
+                self.model = DeepseekForCausalLM(cfg, tp, ep, layer_range)
         finally:
             torch.set_default_dtype(prev)
         self.model.requires_grad_(False)
         load_checkpoint(self.model, model_dir, cfg)
         self.model.eval()
-        # One latent cache tensor per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-        self.kv_caches = [torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device)
-                          for _ in range(cfg.num_hidden_layers)]
+        # One latent cache tensor per local layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        self.kv_caches = [torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=self.device)
+                          for _ in range(self.model.num_local_layers)]
         self.generator = torch.Generator().manual_seed(seed)
-        log.info("KV cache: %d blocks x %d tokens, %.1f MiB", num_blocks, block_size,
+        log.info("layers [%d, %d); KV cache: %d blocks x %d tokens, %.1f MiB", *layer_range, num_blocks, block_size,
                  sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)
 
     def _prepare(self, sched: SchedulerOutput):
@@ -78,10 +90,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[str, SampleResult]:
+        """Runs the step (an empty one is a dummy batch that still takes part in every collective)."""
         (input_ids_T, positions_T), meta, sample_idx, sample_reqs = self._prepare(sched)
-        hidden_TH = self.model(input_ids_T, positions_T, self.kv_caches, meta)
-        if not sample_reqs:
-            return {}
-        logits_BV = self.model.compute_logits(hidden_TH[torch.tensor(sample_idx, device=self.device)])
-        results = sample(logits_BV.cpu(), sample_reqs, self.generator)
-        return {req.request_id: r for req, r in zip(sample_reqs, results)}
+        pp, first, last = self.pp, self.model.model.is_first, self.model.model.is_last
+        hidden_in = None if first else comm.recv_tensor(pp.index - 1, pp)
+        hidden_TH = self.model(input_ids_T, positions_T, self.kv_caches, meta, hidden_in)
+        results: dict[str, SampleResult] = {}
+        if not last:
+            comm.send_tensor(hidden_TH, pp.index + 1, pp)
+        elif sample_reqs:
+            logits_BV = self.model.compute_logits(hidden_TH[torch.tensor(sample_idx, device=self.device)])
+            samples = sample(logits_BV.cpu(), sample_reqs, self.generator)
+            results = {req.request_id: r for req, r in zip(sample_reqs, samples)}
+        if pp.size > 1:
+            wire = {rid: [r.token_id, r.logprob, r.top_logprobs] for rid, r in results.items()} if last else None
+            wire = comm.broadcast_object(wire, pp, src=pp.size - 1)
+            results = {rid: SampleResult(t, lp, {int(k): v for k, v in top.items()} if top else top)
+                       for rid, (t, lp, top) in wire.items()}
+        return results

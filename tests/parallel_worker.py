@@ -1,0 +1,27 @@
+"""Run under torchrun by the parallel tests: generate greedily with a parallel layout and write the
+tokens (rank 0) as JSON. Every rank checks it got every output."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from server import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ckpt, out, layout = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    prompts = json.loads(sys.argv[4])
+    max_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 12
+    llm = LLM(ckpt, dtype="float32", **layout)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert len(tokens) == len(prompts) and all(len(t) == max_tokens for t in tokens)
+    rank = llm.engine.parallel.rank
+    stats = llm.stats()
+    Path(f"{out}.rank{rank}").write_text(json.dumps({"tokens": tokens, "stats": stats}))
+
+
+if __name__ == "__main__":
+    main()
