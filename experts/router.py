@@ -43,7 +43,7 @@ def _mask_to_top_groups(scores_for_choice_TE: torch.Tensor, group_scores_TG: tor
     T = scores_for_choice_TE.shape[0]
     group_idx = group_scores_TG.topk(rc.topk_group, dim=-1, sorted=False).indices
     keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, group_idx, True)
-    keep_TE = keep_TG[:, :, None].expand(T, rc.num_groups, rc.num_experts // rc.num_groups).reshape(T, -1)
+    keep_TE = keep_TG[:, :, None].expand(T, rc.num_groups, rc.num_experts // rc.num_groups).reshape(T, rc.num_experts)
     return scores_for_choice_TE.masked_fill(~keep_TE, float("-inf"))
 
 
@@ -57,11 +57,11 @@ def route(
     if rc.topk_method == "greedy":
         choice_TE = scores_TE
     elif rc.topk_method == "group_limited_greedy":
-        group_scores_TG = scores_TE.view(T, rc.num_groups, -1).amax(dim=-1)
+        group_scores_TG = scores_TE.view(T, rc.num_groups, rc.num_experts // rc.num_groups).amax(dim=-1)
         choice_TE = _mask_to_top_groups(scores_TE, group_scores_TG, rc)
     else:  # noaux_tc: the correction bias enters the choice; groups rank by their top-2 sum
         choice_TE = scores_TE + bias_E[None, :].float() if bias_E is not None else scores_TE
-        group_scores_TG = choice_TE.view(T, rc.num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)
+        group_scores_TG = choice_TE.view(T, rc.num_groups, rc.num_experts // rc.num_groups).topk(2, dim=-1).values.sum(dim=-1)
         choice_TE = _mask_to_top_groups(choice_TE, group_scores_TG, rc)
     topk_ids_TK = choice_TE.topk(rc.top_k, dim=-1, sorted=False).indices
     topk_weights_TK = scores_TE.gather(1, topk_ids_TK)

@@ -79,7 +79,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str | Path, cfg: ModelCon
             if m and int(m.group(1)) >= cfg.num_hidden_layers:
                 skipped_mtp += 1  # multi-token-prediction layers are not used for serving
                 continue
-            if _on_other_stage(model, name):
+            if _on_other_stage(model, name) or _on_other_ep_rank(name, expected):
                 continue
             if name not in expected:
                 if name.endswith("rotary_emb.inv_freq"):
@@ -113,6 +113,11 @@ def _on_other_stage(model, name: str) -> bool:
     if name.startswith(("model.norm.", "lm_head.")):
         return not model.model.is_last
     return False
+
+
+def _on_other_ep_rank(name: str, expected: set[str]) -> bool:
+    """True for routed-expert tensors of experts that another expert-parallel rank holds."""
+    return _EXPERT_KEY.match(name) is not None and name not in expected
 
 
 def _copy_into(model, params: dict, name: str, tensor: torch.Tensor, file: str) -> None:

@@ -2,6 +2,7 @@
 tokens (rank 0) as JSON. Every rank checks it got every output."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ def main() -> None:
     prompts = json.loads(sys.argv[4])
     max_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 12
     llm = LLM(ckpt, dtype="float32", **layout)
+    Path(f"{out}.pid{llm.engine.parallel.rank}").write_text(str(os.getpid()))  # loaded; generating next
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     tokens = [o.outputs[0].token_ids for o in outs]
     assert len(tokens) == len(prompts) and all(len(t) == max_tokens for t in tokens)
