@@ -11,7 +11,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from balancer.placement import build_log2phy, logical_to_physical
 from experts.dispatch import DispatchStats, combine, dispatch
+from experts.relocate import relocate
 from experts.router import RouterConfig, route
 from experts.weights import ExpertWeights
 from kernels import fused_moe
@@ -39,39 +41,64 @@ class MoEBlock(nn.Module):
     results back, and the same single all-reduce over `tp_group` assembles tokens and shared experts.
     """
 
-    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None):
+    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, phy2log_R: list[int] | None = None):
+        """phy2log_R: the logical expert held by each of the EP group's physical slots (default: slot i
+        holds expert i). More slots than experts means redundant replicas of some experts."""
         super().__init__()
         self.router_config = RouterConfig.from_model(cfg)
         self.tp_group, self.ep_group = tp_group, ep_group
         tp_rank, tp_size = group_rank_size(tp_group)
         ep_rank, ep_size = group_rank_size(ep_group)
-        E = cfg.n_routed_experts
-        if E % ep_size:
-            raise ValueError(f"expert parallel size {ep_size} does not divide {E} experts")
-        self.slots_per_rank = E // ep_size
+        E = self.num_experts = cfg.n_routed_experts
+        phy2log_R = list(range(E)) if phy2log_R is None else list(phy2log_R)
+        if len(phy2log_R) % ep_size:
+            raise ValueError(f"expert parallel size {ep_size} does not divide {len(phy2log_R)} expert slots")
+        if len(phy2log_R) > E and ep_size == 1:
+            raise ValueError("redundant expert slots need expert parallelism (enable_expert_parallel)")
+        self.slots_per_rank = len(phy2log_R) // ep_size
         self.gate = Gate(cfg)
-        slots = list(range(ep_rank * self.slots_per_rank, (ep_rank + 1) * self.slots_per_rank))
+        self.set_placement(phy2log_R)
+        local = phy2log_R[ep_rank * self.slots_per_rank:(ep_rank + 1) * self.slots_per_rank]
         if ep_size > 1:  # experts whole on their EP rank
-            self.experts = ExpertWeights(slots, cfg.hidden_size, cfg.moe_intermediate_size)
+            self.experts = ExpertWeights(local, cfg.hidden_size, cfg.moe_intermediate_size)
         else:  # every expert here, sharded over TP
-            self.experts = ExpertWeights(slots, cfg.hidden_size, cfg.moe_intermediate_size, tp_rank, tp_size)
+            self.experts = ExpertWeights(local, cfg.hidden_size, cfg.moe_intermediate_size, tp_rank, tp_size)
         n_shared = cfg.n_shared_experts or 0
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared, tp_group, reduce=False)
                                if n_shared else None)
         self.comm_stats = DispatchStats()  # running totals of what dispatch and combine moved
-        # Expert-load hook: called with topk_ids_TK every forward (balancer.stats.ExpertLoadRecorder.record
+        # Expert-load hook: called with (topk_ids_TK, phy_ids_TK) every forward (balancer.stats.ExpertLoadRecorder.record
         # bound to this layer); it counts on the device, without a host sync. None = not recording.
-        self.load_recorder: Callable[[torch.Tensor], None] | None = None
+        self.load_recorder: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
+    def set_placement(self, phy2log_R: list[int]) -> None:
+        """Which expert each physical slot holds (the maps only; weights move with `relocate_experts`)."""
+        self.phy2log_R = list(phy2log_R)
+        self.identity_placement = self.phy2log_R == list(range(self.num_experts))
+        log2phy_1EX, logcnt_1E = build_log2phy(torch.tensor([self.phy2log_R]), self.num_experts)
+        device = self.gate.weight.device
+        self.log2phy_EX, self.logcnt_E = log2phy_1EX[0].to(device), logcnt_1E[0].to(device)
+
+    def relocate_experts(self, new_phy2log_R: list[int]) -> int:
+        """Between steps: load the slots whose expert changes from the ranks holding those experts,
+        then switch the maps. Returns how many slots (all ranks) loaded new weights."""
+        moved = relocate(self.experts.w13.data, self.experts.w2.data, self.phy2log_R, new_phy2log_R, self.ep_group)
+        ep_rank, _ = group_rank_size(self.ep_group)
+        self.experts.slot_to_expert = list(new_phy2log_R[ep_rank * self.slots_per_rank:(ep_rank + 1) * self.slots_per_rank])
+        self.set_placement(new_phy2log_R)
+        return moved
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         topk_weights_TK, topk_ids_TK = route(x_TH, self.gate.weight, self.router_config, self.gate.e_score_correction_bias)
+        phy_ids_TK = topk_ids_TK if self.identity_placement else \
+            logical_to_physical(topk_ids_TK, self.log2phy_EX, self.logcnt_E)
         if self.load_recorder is not None:
-            self.load_recorder(topk_ids_TK)
+            self.load_recorder(topk_ids_TK, phy_ids_TK)
         w13, w2 = self.experts.w13, self.experts.w2
         if group_rank_size(self.ep_group)[1] == 1:
-            y_TH = fused_moe(x_TH, w13, w2, topk_weights_TK, topk_ids_TK)
+            y_TH = fused_moe(x_TH, w13, w2, topk_weights_TK, phy_ids_TK)
         else:
-            y_TH = self._expert_parallel(x_TH, topk_weights_TK, topk_ids_TK)
+            y_TH = self._expert_parallel(x_TH, topk_weights_TK, phy_ids_TK)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH)
         return all_reduce(y_TH, self.tp_group)
@@ -92,10 +119,11 @@ class MoEBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding, tp_group=None, ep_group=None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding, tp_group=None, ep_group=None,
+                 phy2log_R: list[int] | None = None):
         super().__init__()
         self.self_attn = MLAttention(cfg, rope, tp_group)
-        self.mlp = (MoEBlock(cfg, tp_group, ep_group) if cfg.is_moe_layer(layer_idx)
+        self.mlp = (MoEBlock(cfg, tp_group, ep_group, phy2log_R) if cfg.is_moe_layer(layer_idx)
                     else MLP(cfg.hidden_size, cfg.intermediate_size, tp_group))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -113,15 +141,18 @@ class DeepseekModel(nn.Module):
     """Parameter names match the checkpoint's (`model.layers.3.self_attn.kv_b_proj.weight`, ...).
     A pipeline stage holds layers [start, end); the first stage the embedding, the last the norm."""
 
-    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, layer_range: tuple[int, int] | None = None):
+    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, layer_range: tuple[int, int] | None = None,
+                 placement: dict[int, list[int]] | None = None):
         super().__init__()
         self.config = cfg
+        placement = placement or {}
         self.start, self.end = layer_range or (0, cfg.num_hidden_layers)
         self.is_first, self.is_last = self.start == 0, self.end == cfg.num_hidden_layers
         self.rope = RotaryEmbedding(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group) if self.is_first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.rope, tp_group, ep_group) if self.start <= i < self.end else MissingLayer()
+            DecoderLayer(cfg, i, self.rope, tp_group, ep_group, placement.get(i)) if self.start <= i < self.end
+            else MissingLayer()
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 
@@ -137,10 +168,12 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, layer_range: tuple[int, int] | None = None):
+    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, layer_range: tuple[int, int] | None = None,
+                 placement: dict[int, list[int]] | None = None):
+        """placement: per MoE layer index, the expert held by each physical slot of the EP group."""
         super().__init__()
         self.config = cfg
-        self.model = DeepseekModel(cfg, tp_group, ep_group, layer_range)
+        self.model = DeepseekModel(cfg, tp_group, ep_group, layer_range, placement)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp_group) if self.model.is_last else None
         if cfg.tie_word_embeddings:
             if not (self.model.is_first and self.model.is_last):
@@ -156,6 +189,10 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_TH).float()
+
+    def moe_blocks(self) -> dict[int, "MoEBlock"]:
+        """This stage's MoE blocks by layer index."""
+        return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(getattr(layer, "mlp", None), MoEBlock)}
 
     def after_loading(self) -> None:
         for layer in self.model.layers[self.model.start:self.model.end]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from balancer.rebalancer import EplbConfig
 from parallel.config import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,6 +30,13 @@ class EngineConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     collective_timeout_s: float = 60.0
+    # expert load balancing (see balancer/rebalancer.py)
+    enable_eplb: bool = False
+    eplb_window: int = 1000
+    eplb_interval: int = 3000
+    eplb_layers_per_step: int = 1
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None  # a placement file or load dump to start from
 
     def __post_init__(self) -> None:
         if self.dtype not in (*DTYPES, "auto"):
@@ -39,6 +47,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        self.eplb_config()  # validates the balancer fields
+        if (self.enable_eplb or self.num_redundant_experts) and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb and num_redundant_experts need enable_expert_parallel")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens {self.kv_cache_tokens} is smaller than one block ({self.block_size})")
 
@@ -46,6 +57,10 @@ class EngineConfig:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         return DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+
+    def eplb_config(self) -> EplbConfig:
+        return EplbConfig(self.enable_eplb, self.eplb_window, self.eplb_interval, self.num_redundant_experts,
+                          self.eplb_layers_per_step)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,

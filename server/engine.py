@@ -6,8 +6,8 @@ records the new tokens, applies stop conditions, frees what finished and reports
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -15,12 +15,14 @@ import time
 import torch
 from transformers import AutoTokenizer
 
+from balancer.placement_file import initial_placement
+from balancer.rebalancer import Rebalancer
 from balancer.stats import ExpertLoadRecorder
 from experts.dispatch import DispatchStats
 from moe.config import ModelConfig
 from parallel import comm
+from parallel.pipeline import stage_layer_range
 from parallel.state import init_parallel, log_rank_table
-from moe.model import MoEBlock
 from server.block_manager import BlockManager
 from server.config import EngineConfig
 from server.outputs import CompletionOutput, RequestOutput
@@ -44,15 +46,34 @@ class LLMEngine:
         self.dtype = config.torch_dtype(mc.torch_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id
-        pcfg = config.parallel_config()
-        pcfg.validate_against(mc.n_routed_experts or pcfg.ep_size, mc.num_attention_heads, mc.num_hidden_layers,
+        pcfg, eplb = config.parallel_config(), config.eplb_config()
+        num_slots = (mc.n_routed_experts or 0) + eplb.num_redundant_experts
+        pcfg.validate_against(num_slots or pcfg.ep_size, mc.num_attention_heads, mc.num_hidden_layers,
                               mc.vocab_size)  # before any weight loads
         self.parallel = init_parallel(pcfg, device=None if config.device == "auto" else config.device)
         log_rank_table(self.parallel)
+        stage = stage_layer_range(mc.num_hidden_layers, pcfg.pipeline_parallel_size, self.parallel.coords.pp_rank)
+        moe_layers = [i for i in range(*stage) if mc.is_moe_layer(i)]
+        placement = None
+        if moe_layers:
+            placement = initial_placement(moe_layers, mc.n_routed_experts, num_slots, pcfg.ep_size, mc.n_group or 1,
+                                          config.expert_placement)
+        if eplb.num_redundant_experts:
+            per_slot = 3 * mc.hidden_size * mc.moe_intermediate_size * self.dtype.itemsize
+            log.info("%d redundant expert slots per MoE layer: %.1f MiB more per EP rank over %d layers",
+                     eplb.num_redundant_experts, eplb.num_redundant_experts * per_slot * len(moe_layers)
+                     / pcfg.ep_size / 2**20, len(moe_layers))
         t0 = time.perf_counter()
         self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size, self.parallel,
-                                  seed=config.seed)
+                                  seed=config.seed, placement=placement)
         log.info("loaded %s (%s) in %.1f s", config.model, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
+        self.expert_load_recorder = None
+        self.rebalancer = None
+        blocks = self.runner.model.moe_blocks()
+        if blocks:  # recording is on by default: one scatter-add per MoE layer, no host sync
+            self.enable_expert_load_recording(eplb.window)
+            self.rebalancer = Rebalancer(eplb, blocks, self.expert_load_recorder,
+                                         self.parallel.ep if self.parallel.ep.size > 1 else None, mc.n_group or 1)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -106,7 +127,11 @@ class LLMEngine:
         if sched.is_empty and self.parallel.world.size == 1:
             return []  # alone, an idle step does nothing; in a job it is a dummy batch for the collectives
         sampled = self.runner.execute(sched)
-        return self._update(sched, sampled)
+        outputs = self._update(sched, sampled)
+        if self.expert_load_recorder is not None:
+            self.expert_load_recorder.end_step()
+            self.rebalancer.after_step()  # placement changes only here, between steps
+        return outputs
 
     def _update(self, sched: SchedulerOutput, sampled: dict[str, SampleResult]) -> list[RequestOutput]:
         self.scheduler.update_from_output(sched, {rid: r.token_id for rid, r in sampled.items()})
@@ -191,15 +216,17 @@ class LLMEngine:
 
     # ---- expert load (read by the server's engine loop) -----------------------------------------
     def enable_expert_load_recording(self, window_steps: int = 1000) -> ExpertLoadRecorder:
-        """Attach one ExpertLoadRecorder to every MoE block (once; later calls return it). The caller
-        closes each step with `recorder.end_step()`."""
-        recorder = getattr(self, "expert_load_recorder", None)
+        """Attach one ExpertLoadRecorder to every MoE block of this stage (once; later calls return it).
+        The engine closes each step with `recorder.end_step()`."""
+        recorder = self.expert_load_recorder
         if recorder is None:
-            blocks = [(i, layer.mlp) for i, layer in enumerate(self.runner.model.model.layers)
-                      if isinstance(getattr(layer, "mlp", None), MoEBlock)]
-            recorder = ExpertLoadRecorder(len(blocks), self.model_config.n_routed_experts, window_steps=window_steps,
-                                          layer_ids=[i for i, _ in blocks], device=self.runner.device)
-            for j, (_, block) in enumerate(blocks):
-                block.load_recorder = functools.partial(recorder.record, j)
+            blocks = self.runner.model.moe_blocks()
+            layer_ids = sorted(blocks)
+            phy2log_LR = torch.tensor([blocks[i].phy2log_R for i in layer_ids])
+            recorder = ExpertLoadRecorder(len(layer_ids), self.model_config.n_routed_experts, window_steps=window_steps,
+                                          layer_ids=layer_ids, device=self.runner.device, phy2log_LR=phy2log_LR,
+                                          ep_size=self.parallel.ep.size)
+            for j, layer in enumerate(layer_ids):
+                blocks[layer].load_recorder = functools.partial(recorder.record, j)
             self.expert_load_recorder = recorder
         return recorder

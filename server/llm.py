@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from server.config import EngineConfig
 from server.engine import LLMEngine
@@ -93,3 +95,21 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def expert_load(self, view: str = "window") -> dict:
+        """Recorded tokens per (MoE layer, logical expert) and per physical slot, the placement and
+        balancedness per layer (this rank's tokens; see balancer/stats.py)."""
+        if self.engine.expert_load_recorder is None:
+            raise ValueError("this model has no MoE layers on this rank")
+        return self.engine.expert_load_recorder.to_json(view)
+
+    def export_placement(self, path: str) -> None:
+        """Write the current placement and the window's load as JSON (usable as `expert_placement`)."""
+        Path(path).write_text(json.dumps(self.expert_load("window")))
+
+    def rebalance(self) -> int:
+        """Plan from the recorded load and move the changed experts now (every rank must call it).
+        Returns how many slots loaded new weights."""
+        if self.engine.rebalancer is None:
+            raise ValueError("this model has no MoE layers on this rank")
+        return self.engine.rebalancer.rebalance_now()

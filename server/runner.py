@@ -30,7 +30,7 @@ class ModelRunner:
     broadcasts the sampled tokens back to every stage, so all ranks update the same way."""
 
     def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 state: ParallelState, seed: int = 0):
+                 state: ParallelState, seed: int = 0, placement: dict[int, list[int]] | None = None):
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, state.device, block_size
         self.pp = state.pp
         pcfg = state.config
@@ -41,7 +41,7 @@ class ModelRunner:
         torch.set_default_dtype(dtype)
         try:
             with torch.device(self.device):
-                self.model = DeepseekForCausalLM(cfg, tp, ep, layer_range)
+                self.model = DeepseekForCausalLM(cfg, tp, ep, layer_range, placement)
         finally:
             torch.set_default_dtype(prev)
         self.model.requires_grad_(False)

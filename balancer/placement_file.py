@@ -1,0 +1,98 @@
+"""Placement files and load dumps (JSON), and the what-if planner behind `moe plan`.
+
+A placement file is what `GET /v1/expert_load` and `LLM.export_placement` write: `layer_ids`,
+`num_experts`, `ep_size`, `logical_counts` [L][E] and `placement.phy2log` [L][R]. Starting from one
+(`--expert-placement FILE`) uses its phy2log when its slot count matches the deployment, else plans
+from its recorded load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from balancer.eplb import rebalance_experts
+from balancer.placement import balancedness, moved_slots
+
+
+def read_load_file(path: str | Path) -> dict:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"expert placement file {str(path)!r} cannot be read as JSON: {exc}") from None
+    if "logical_counts" not in raw and "phy2log" not in raw.get("placement", {}):
+        raise ValueError(f"expert placement file {str(path)!r} has neither logical_counts nor placement.phy2log")
+    out = {"layer_ids": raw.get("layer_ids"), "num_experts": raw.get("num_experts"), "load": None, "phy2log": None}
+    if raw.get("logical_counts") is not None:
+        out["load"] = torch.tensor(raw["logical_counts"], dtype=torch.float64)
+    if raw.get("placement", {}).get("phy2log") is not None:
+        out["phy2log"] = torch.tensor(raw["placement"]["phy2log"], dtype=torch.int64)
+    return out
+
+
+def initial_placement(moe_layers: list[int], num_experts: int, num_slots: int, ep_size: int, num_groups: int,
+                      source: str | Path | None = None) -> dict[int, list[int]] | None:
+    """phy2log per MoE layer at start-up: from a placement file, planned from its load, or planned for
+    uniform load when there are redundant slots. None = identity (slot i holds expert i)."""
+    if source is None:
+        if num_slots == num_experts:
+            return None
+        load_LE = torch.ones(len(moe_layers), num_experts, dtype=torch.float64)
+    else:
+        f = read_load_file(source)
+        if f["num_experts"] not in (None, num_experts):
+            raise ValueError(f"expert placement file is for {f['num_experts']} experts; the model has {num_experts}")
+        if f["layer_ids"] is not None and list(f["layer_ids"]) != list(moe_layers):
+            raise ValueError(f"expert placement file covers layers {f['layer_ids']}; this stage has {moe_layers}")
+        if f["phy2log"] is not None and f["phy2log"].shape == (len(moe_layers), num_slots):
+            return {layer: f["phy2log"][j].tolist() for j, layer in enumerate(moe_layers)}
+        if f["load"] is None:
+            raise ValueError(f"expert placement file has {f['phy2log'].shape[1]} slots per layer, the deployment "
+                             f"{num_slots}, and no load to plan from")
+        load_LE = f["load"]
+    phy2log_LR, _, _ = rebalance_experts(load_LE, num_slots, num_groups, 1, ep_size)
+    return {layer: phy2log_LR[j].tolist() for j, layer in enumerate(moe_layers)}
+
+
+def what_if(load_LE: torch.Tensor, ep_size: int, num_redundant: int, num_nodes: int = 1, num_groups: int = 1,
+            current_LR: torch.Tensor | None = None, expert_bytes: int | None = None) -> dict:
+    """Predicted effect of replanning: balancedness per layer against the no-replication layout (slot i
+    holds expert i), slots moved from the current placement, and the extra memory of redundant slots."""
+    L, E = load_LE.shape
+    R = E + num_redundant
+    if E % ep_size or R % ep_size:
+        raise ValueError(f"expert parallel size {ep_size} must divide {E} experts and {R} slots")
+    baseline_LR = torch.arange(E).expand(L, E)
+    plan_LR, _, _ = rebalance_experts(load_LE.double(), R, num_groups, num_nodes, ep_size,
+                                      previous=current_LR if current_LR is not None and current_LR.shape[1] == R else None)
+    report = {
+        "num_layers": L, "num_experts": E, "num_slots": R, "ep_size": ep_size, "num_nodes": num_nodes,
+        "balancedness_no_replication": balancedness(load_LE.double(), baseline_LR, ep_size).tolist(),
+        "balancedness_planned": balancedness(load_LE.double(), plan_LR, ep_size).tolist(),
+        "phy2log": plan_LR.tolist(),
+    }
+    if current_LR is not None:
+        report["balancedness_current"] = balancedness(load_LE.double(), current_LR, ep_size).tolist()
+        report["slots_moved"] = moved_slots(current_LR, plan_LR) if current_LR.shape == plan_LR.shape else L * R
+    if expert_bytes is not None:
+        report["extra_bytes_per_rank"] = num_redundant * L * expert_bytes // ep_size
+    return report
+
+
+def format_what_if(report: dict) -> str:
+    base, plan = report["balancedness_no_replication"], report["balancedness_planned"]
+    lines = [f"{report['num_layers']} MoE layers, {report['num_experts']} experts -> {report['num_slots']} slots on "
+             f"{report['ep_size']} EP ranks ({report['num_nodes']} node(s))",
+             f"{'layer':>5} {'no replication':>15} {'planned':>8}" + (f" {'current':>8}" if "balancedness_current" in report else "")]
+    for j, (b, p) in enumerate(zip(base, plan)):
+        cur = f" {report['balancedness_current'][j]:>8.3f}" if "balancedness_current" in report else ""
+        lines.append(f"{j:>5} {b:>15.3f} {p:>8.3f}{cur}")
+    lines.append(f" mean {sum(base) / len(base):>15.3f} {sum(plan) / len(plan):>8.3f}")
+    if "slots_moved" in report:
+        lines.append(f"slots that would load new weights: {report['slots_moved']} of "
+                     f"{report['num_layers'] * report['num_slots']}")
+    if "extra_bytes_per_rank" in report:
+        lines.append(f"extra memory per EP rank for redundant slots: {report['extra_bytes_per_rank'] / 2**20:.1f} MiB")
+    return "\n".join(lines)

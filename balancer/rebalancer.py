@@ -1,0 +1,108 @@
+"""When and how expert placements change while serving.
+
+Every `interval` steps the rebalancer sums the recorded window of expert load over the EP group,
+plans new placements with `rebalance_experts(..., previous=current)` (so most slots keep their
+expert), and then, `layers_per_step` layers after each following step, has each MoE block load its
+changed slots from the ranks holding those experts and switch its maps. Placement only ever changes
+between steps, never inside a forward pass. Every rank of an EP group calls `after_step` after the
+same steps and computes the same plan from the same all-reduced load, so their moves match.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from balancer.eplb import rebalance_experts
+from balancer.placement import balancedness
+from parallel import comm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EplbConfig:
+    enable_eplb: bool = False
+    window: int = 1000  # steps of recorded load the plan uses
+    interval: int = 3000  # steps between plans
+    num_redundant_experts: int = 0  # extra physical slots per MoE layer, over the whole EP group
+    layers_per_step: int = 1  # layers whose weights move after one step
+
+    def __post_init__(self) -> None:
+        for name in ("window", "interval", "layers_per_step"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"eplb {name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts!r}")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "EplbConfig":
+        """From `--eplb-config '{"window": 500, ...}'`: unknown keys are an error naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown eplb config field(s) {unknown}; known: {sorted(known)}")
+        return cls(**raw)
+
+
+class Rebalancer:
+    def __init__(self, config: EplbConfig, blocks: dict, recorder, ep_group: comm.Group | None, num_groups: int):
+        """blocks: layer index -> MoE block (with phy2log_R, relocate_experts); recorder: the engine's
+        ExpertLoadRecorder, whose layer j is the j-th block in layer order."""
+        self.config, self.recorder, self.ep_group, self.num_groups = config, recorder, ep_group, num_groups
+        self.layers = sorted(blocks)
+        self.blocks = blocks
+        self.pending: list[tuple[int, list[int]]] = []
+        self.steps = 0
+        self.num_rebalances = 0
+        self.slots_moved = 0
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.ep_group is None else self.ep_group.size
+
+    def current_placement(self) -> torch.Tensor:
+        return torch.tensor([self.blocks[i].phy2log_R for i in self.layers])
+
+    def window_load(self) -> torch.Tensor:
+        """Tokens per (MoE layer, logical expert) over the window, summed over the EP group."""
+        load_LE = self.recorder.snapshot().window_LE.double()
+        if self.ep_group is not None and self.ep_group.size > 1:
+            load_LE = comm.all_reduce(load_LE.to(self.ep_group.device), self.ep_group).cpu()
+        return load_LE
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if self.pending:
+            self._apply(self.config.layers_per_step)
+        elif self.config.enable_eplb and self.steps % self.config.interval == 0:
+            self.plan()
+
+    def plan(self) -> int:
+        """Plan from the window's load; queue the layers whose placement changes. Returns their count."""
+        load_LE = self.window_load()
+        current_LR = self.current_placement()
+        phy2log_LR, _, _ = rebalance_experts(load_LE, current_LR.shape[1], self.num_groups, 1, self.ep_size,
+                                             previous=current_LR)
+        before, after = balancedness(load_LE, current_LR, self.ep_size), balancedness(load_LE, phy2log_LR, self.ep_size)
+        self.pending = [(layer, phy2log_LR[j].tolist()) for j, layer in enumerate(self.layers)
+                        if not torch.equal(phy2log_LR[j], current_LR[j])]
+        self.num_rebalances += 1
+        log.info("eplb plan %d: balancedness %.3f -> %.3f (mean over layers); %d layer(s) change",
+                 self.num_rebalances, before.mean().item(), after.mean().item(), len(self.pending))
+        return len(self.pending)
+
+    def rebalance_now(self) -> int:
+        """Plan and move every changed layer at once (between steps). Returns slots that loaded weights."""
+        moved_before = self.slots_moved
+        self.plan()
+        self._apply(len(self.pending))
+        return self.slots_moved - moved_before
+
+    def _apply(self, num_layers: int) -> None:
+        for layer, phy2log_R in self.pending[:num_layers]:
+            self.slots_moved += self.blocks[layer].relocate_experts(phy2log_R)
+        self.pending = self.pending[num_layers:]
+        self.recorder.set_placement(self.current_placement())

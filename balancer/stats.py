@@ -1,0 +1,195 @@
+"""Expert load recorder: tokens routed to each (MoE layer, logical expert) and (MoE layer, physical slot).
+
+Shape legend (as in balancer/placement.py): W = window steps, L = MoE layers, E = logical experts,
+R = physical slots, G = expert-parallel ranks, K = experts per token, T = tokens in a step.
+
+The MoE blocks call `record(layer, topk_ids_TK)` during the forward pass; the engine loop calls
+`end_step()` after each engine step. Counting is one scatter-add per MoE layer per step on the device
+that holds `topk_ids_TK` (a bincount that, unlike `torch.bincount` on CUDA, never reads the maximum back
+to the host), so recording adds no host sync; counts come to the CPU only in `snapshot()`.
+
+Three views of the same counts:
+    window  the last W completed steps (a ring buffer of per-step count tensors)
+    total   every step since the recorder was made (monotonic: feeds Prometheus counters)
+    record  the steps between `start_record()` and `stop_record()` (SGLang's expert distribution record)
+
+Physical slots: the placement `phy2log_LR` says which expert each slot holds (identity by default:
+slot i holds expert i). When the caller passes the slot ids it actually used (`phy_ids_TK`), those are
+counted; otherwise an expert's tokens are split evenly over its replicas, as balancer.placement models it.
+
+Worked example (2 layers, 3 experts, window 2):
+    rec.record(0, tensor([[0, 1], [0, 2]])); rec.record(1, tensor([[2, 2]])); rec.end_step()
+    rec.snapshot().window_LE == [[2, 1, 1], [0, 0, 2]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LoadSnapshot:
+    """CPU copies of the counts; see the module docstring for the three views."""
+    window_LE: torch.Tensor
+    window_LR: torch.Tensor
+    total_LE: torch.Tensor
+    total_LR: torch.Tensor
+    record_LE: torch.Tensor
+    record_LR: torch.Tensor
+    recording: bool
+    window_steps: int  # steps the window holds when full
+    steps_in_window: int
+    steps_total: int
+    steps_recorded: int
+
+
+def balancedness_per_layer(slot_load_LR: torch.Tensor, ep_size: int) -> torch.Tensor:
+    """Per layer mean rank load / max rank load, in (0, 1]; 1.0 for a layer with no load.
+
+    Slots are split evenly over the ep_size ranks (slot p on rank p // (R // G)). With ep_size 1 every slot
+    counts as its own unit, so the measure says how evenly the experts themselves are loaded.
+    """
+    load_LG = rank_loads(slot_load_LR.double(), ep_size if ep_size > 1 else slot_load_LR.shape[1])
+    max_L = load_LG.max(1).values
+    return torch.where(max_L > 0, load_LG.mean(1) / max_L.clamp(min=1e-300), torch.ones_like(max_L))
+
+
+def rank_loads(slot_load_LR: torch.Tensor, ep_size: int) -> torch.Tensor:
+    """load_LG: the sum of each rank's slots' loads."""
+    num_layers, num_slots = slot_load_LR.shape
+    if num_slots % ep_size:
+        raise ValueError(f"{num_slots} slots do not divide evenly over {ep_size} expert-parallel ranks")
+    return slot_load_LR.reshape(num_layers, ep_size, num_slots // ep_size).sum(2)
+
+
+class ExpertLoadRecorder:
+    def __init__(self, num_layers: int, num_experts: int, *, window_steps: int = 1000, ep_size: int = 1,
+                 phy2log_LR: torch.Tensor | None = None, layer_ids: list[int] | None = None,
+                 device: torch.device | str = "cpu"):
+        if num_layers < 1 or num_experts < 1:
+            raise ValueError(f"need at least one MoE layer and one expert, got {num_layers} layers, {num_experts} experts")
+        if window_steps < 1:
+            raise ValueError(f"window_steps must be at least 1, got {window_steps}")
+        self.num_layers, self.num_experts, self.window_steps, self.ep_size = num_layers, num_experts, window_steps, ep_size
+        self.layer_ids = list(layer_ids) if layer_ids is not None else list(range(num_layers))
+        if len(self.layer_ids) != num_layers:
+            raise ValueError(f"layer_ids has {len(self.layer_ids)} entries for {num_layers} MoE layers")
+        self.device = torch.device(device)
+        self.set_placement(phy2log_LR if phy2log_LR is not None
+                           else torch.arange(num_experts).expand(num_layers, num_experts).clone())
+        L, E = num_layers, num_experts
+        self._step_LE = torch.zeros(L, E, dtype=torch.int64, device=self.device)
+        self._ring_WLE = torch.zeros(window_steps, L, E, dtype=torch.int64, device=self.device)
+        self._total_LE = torch.zeros(L, E, dtype=torch.int64, device=self.device)
+        self._record_LE = torch.zeros(L, E, dtype=torch.int64, device=self.device)
+        # measured slot counts (allocated here, outside any inference-mode forward pass)
+        self._step_LR = self._ring_WLR = self._total_LR = self._record_LR = None
+        self._alloc_slot_counts()
+        self._pos = 0  # ring row the next completed step goes to
+        self.steps_total = 0
+        self.steps_recorded = 0
+        self.recording = False
+
+    @property
+    def num_slots(self) -> int:
+        return self.phy2log_LR.shape[1]
+
+    def set_placement(self, phy2log_LR: torch.Tensor) -> None:
+        """Which expert each slot holds, per layer; only between steps."""
+        phy2log_LR = phy2log_LR.long().cpu()
+        if phy2log_LR.dim() != 2 or phy2log_LR.shape[0] != self.num_layers:
+            raise ValueError(f"phy2log must be [{self.num_layers}, slots], got {tuple(phy2log_LR.shape)}")
+        if phy2log_LR.shape[1] % self.ep_size:
+            raise ValueError(f"{phy2log_LR.shape[1]} slots do not divide evenly over {self.ep_size} expert-parallel ranks")
+        self.phy2log_LR = phy2log_LR
+
+    # ---- hot path (inside the forward pass) --------------------------------------------------------
+    def record(self, layer: int, topk_ids_TK: torch.Tensor, phy_ids_TK: torch.Tensor | None = None) -> None:
+        ids = topk_ids_TK.reshape(-1).long()
+        self._step_LE[layer].index_add_(0, ids, torch.ones_like(ids))
+        if phy_ids_TK is not None:
+            if self._step_LR is None:
+                self._alloc_slot_counts()
+            slots = phy_ids_TK.reshape(-1).long()
+            self._step_LR[layer].index_add_(0, slots, torch.ones_like(slots))
+
+    def _alloc_slot_counts(self) -> None:
+        L, R, dev = self.num_layers, self.num_slots, self.device
+        self._step_LR = torch.zeros(L, R, dtype=torch.int64, device=dev)
+        self._ring_WLR = torch.zeros(self.window_steps, L, R, dtype=torch.int64, device=dev)
+        self._total_LR = torch.zeros(L, R, dtype=torch.int64, device=dev)
+        self._record_LR = torch.zeros(L, R, dtype=torch.int64, device=dev)
+
+    # ---- between steps -------------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """Close the step: move its counts into the ring (dropping the oldest step) and the totals."""
+        pairs = [(self._step_LE, self._ring_WLE, self._total_LE, self._record_LE)]
+        if self._step_LR is not None:
+            pairs.append((self._step_LR, self._ring_WLR, self._total_LR, self._record_LR))
+        for step, ring, total, record in pairs:
+            ring[self._pos].copy_(step)
+            total += step
+            if self.recording:
+                record += step
+            step.zero_()
+        self._pos = (self._pos + 1) % self.window_steps
+        self.steps_total += 1
+        self.steps_recorded += int(self.recording)
+
+    def start_record(self) -> None:
+        """Start a fresh recording (earlier recorded counts are dropped)."""
+        self._record_LE.zero_()
+        if self._record_LR is not None:
+            self._record_LR.zero_()
+        self.steps_recorded = 0
+        self.recording = True
+
+    def stop_record(self) -> None:
+        self.recording = False
+
+    def _slots(self, counts_LE: torch.Tensor, measured_LR: torch.Tensor | None) -> torch.Tensor:
+        if measured_LR is not None:
+            return measured_LR.cpu()
+        logcnt_LE = torch.zeros_like(counts_LE).scatter_add_(1, self.phy2log_LR, torch.ones_like(self.phy2log_LR))
+        per_replica_LE = counts_LE.double() / logcnt_LE.clamp(min=1)
+        slot_LR = per_replica_LE.gather(1, self.phy2log_LR)
+        identity = bool((logcnt_LE == 1).all())
+        return slot_LR.round().long() if identity else slot_LR
+
+    def snapshot(self) -> LoadSnapshot:
+        """CPU copies of the window, total and record counts (one host sync; call between steps)."""
+        window_LE = self._ring_WLE.sum(0).cpu()
+        total_LE, record_LE = self._total_LE.cpu(), self._record_LE.cpu()
+        measured = self._step_LR is not None
+        return LoadSnapshot(
+            window_LE=window_LE, total_LE=total_LE, record_LE=record_LE,
+            window_LR=self._slots(window_LE, self._ring_WLR.sum(0) if measured else None),
+            total_LR=self._slots(total_LE, self._total_LR if measured else None),
+            record_LR=self._slots(record_LE, self._record_LR if measured else None),
+            recording=self.recording, window_steps=self.window_steps,
+            steps_in_window=min(self.window_steps, self.steps_total), steps_total=self.steps_total,
+            steps_recorded=self.steps_recorded)
+
+    def to_json(self, view: str = "window") -> dict:
+        """The JSON body of GET /v1/expert_load (view "window") and of the record dump (view "record")."""
+        snap = self.snapshot()
+        counts_LE, slots_LR = {"window": (snap.window_LE, snap.window_LR), "total": (snap.total_LE, snap.total_LR),
+                               "record": (snap.record_LE, snap.record_LR)}[view]
+        bal_L = balancedness_per_layer(slots_LR, self.ep_size)
+        return {
+            "view": view,
+            "num_layers": self.num_layers, "layer_ids": self.layer_ids, "num_experts": self.num_experts,
+            "num_slots": self.num_slots, "ep_size": self.ep_size,
+            "window_steps": self.window_steps,
+            "steps": {"window": snap.steps_in_window, "total": snap.steps_total, "record": snap.steps_recorded}[view],
+            "recording": snap.recording,
+            "logical_counts": counts_LE.tolist(),
+            "physical_counts": slots_LR.tolist(),
+            "placement": {"phy2log": self.phy2log_LR.tolist()},
+            "rank_tokens": rank_loads(slots_LR, self.ep_size).tolist(),
+            "balancedness": bal_L.tolist(),
+            "balancedness_mean": float(bal_L.mean()),
+            "balancedness_min": float(bal_L.min()),
+        }

@@ -1,0 +1,182 @@
+"""The engine process: owns the `LLMEngine` and talks to the front end over two ZMQ ipc sockets.
+
+Messages are msgpack maps with a "type" (never pickle). Front end -> engine (PUSH -> PULL):
+    add          {request_id, prompt_token_ids, params (SamplingParams fields), prompt}
+    abort        {request_ids}
+    stats        {nonce}                        -> reply: engine.stats() + expert-load summary
+    expert_load  {nonce, op: window|total|record|start|stop}  -> reply: ExpertLoadRecorder.to_json / state
+    shutdown     {}
+Engine -> front end (PUSH -> PULL):
+    ready        {max_model_len, vocab_size, eos_token_id, kv_cache_tokens_total, pid}   (once, after loading)
+    startup_error {message}
+    outputs      {outputs: [{id, t: new token ids, lp: new logprobs [[[id, logprob], ...] per token] | None,
+                             and when finished: finish, stop, text, prompt_len, cached}]}
+    error        {request_id, message}          (that request only; the loop goes on)
+    reply        {nonce, data}
+    heartbeat    {}                             (every HEARTBEAT_S, busy or idle)
+
+The loop runs steps while there is work; otherwise it blocks on the socket (waking for heartbeats).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+import traceback
+
+import msgpack
+import zmq
+
+HEARTBEAT_S = 0.5
+
+log = logging.getLogger(__name__)
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(raw: bytes) -> dict:
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+
+
+def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, expert_window_steps: int,
+                       log_level: int = logging.WARNING) -> None:
+    """Entry point of the spawned engine process."""
+    logging.basicConfig(level=log_level, format="%(asctime)s [engine] %(name)s: %(message)s", datefmt="%H:%M:%S")
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(input_addr)
+    push.connect(output_addr)
+    push.setsockopt(zmq.LINGER, 1000)
+    try:
+        from server.config import EngineConfig
+        from server.engine import LLMEngine
+
+        engine = LLMEngine(EngineConfig(**engine_kwargs))
+        recorder = engine.enable_expert_load_recording(expert_window_steps) if expert_window_steps > 0 else None
+    except Exception as exc:  # noqa: BLE001 - reported to the front end, which exits with it
+        log.exception("engine failed to start")
+        push.send(pack({"type": "startup_error", "message": f"{type(exc).__name__}: {exc}"}))
+        push.close()
+        ctx.term()
+        return
+    push.send(pack({"type": "ready", "max_model_len": engine.max_model_len,
+                    "vocab_size": engine.model_config.vocab_size, "eos_token_id": engine.eos_token_id,
+                    "kv_cache_tokens_total": engine.kv_cache_tokens_total, "pid": os.getpid()}))
+    try:
+        EngineLoop(engine, recorder, pull, push).run()
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
+
+
+class EngineLoop:
+    def __init__(self, engine, recorder, pull: zmq.Socket, push: zmq.Socket):
+        self.engine, self.recorder, self.pull, self.push = engine, recorder, pull, push
+        self.sent: dict[str, int] = {}  # request id -> output tokens already sent
+        self.last_heartbeat = 0.0
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        while True:
+            timeout_ms = 0 if self.engine.has_unfinished_requests() else int(HEARTBEAT_S * 1000)
+            while poller.poll(timeout_ms):  # drain everything queued; block only when idle
+                if not self.handle(unpack(self.pull.recv())):
+                    return
+                timeout_ms = 0
+            if self.engine.has_unfinished_requests():
+                self.step()
+            now = time.monotonic()
+            if now - self.last_heartbeat >= HEARTBEAT_S:
+                self.last_heartbeat = now
+                self.push.send(pack({"type": "heartbeat"}))
+                if parent is not None and not parent.is_alive():
+                    log.warning("front end is gone; engine loop exits")
+                    return
+
+    def handle(self, msg: dict) -> bool:
+        """Apply one message; False means shut down."""
+        kind = msg.get("type")
+        if kind == "add":
+            self.add(msg)
+        elif kind == "abort":
+            for rid in msg.get("request_ids", []):
+                self.engine.abort_request(rid)
+                self.sent.pop(rid, None)
+        elif kind in ("stats", "expert_load"):
+            try:
+                data = self.stats() if kind == "stats" else self.expert_load(msg.get("op", "window"))
+                self.push.send(pack({"type": "reply", "nonce": msg.get("nonce"), "data": data}))
+            except Exception as exc:  # noqa: BLE001 - the caller gets the message, the loop goes on
+                self.push.send(pack({"type": "reply", "nonce": msg.get("nonce"), "error": str(exc)}))
+        elif kind == "shutdown":
+            return False
+        else:
+            log.warning("ignoring message of unknown type %r", kind)
+        return True
+
+    def add(self, msg: dict) -> None:
+        from server.sampling_params import SamplingParams
+
+        rid = msg.get("request_id")
+        try:
+            params = SamplingParams(**msg["params"])
+            self.engine.add_request(list(msg["prompt_token_ids"]), params, request_id=rid, prompt=msg.get("prompt"))
+            self.sent[rid] = 0
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            self.push.send(pack({"type": "error", "request_id": rid, "message": str(exc)}))
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+            log.error("engine step failed; aborting %d requests:\n%s", len(self.engine.requests), traceback.format_exc())
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+                self.sent.pop(rid, None)
+                self.push.send(pack({"type": "error", "request_id": rid, "message": f"engine step failed: {exc}"}))
+            return
+        batch = []  # (the engine closes the expert-load recorder's step itself)
+        for out in outputs:
+            c, rid = out.outputs[0], out.request_id
+            n0 = self.sent.get(rid, 0)
+            item = {"id": rid, "t": c.token_ids[n0:],
+                    "lp": None if c.logprobs is None else [list(d.items()) for d in c.logprobs[n0:]]}
+            if out.finished:
+                item.update(finish=c.finish_reason, stop=c.stop_reason, text=c.text,
+                            prompt_len=len(out.prompt_token_ids), cached=out.num_cached_tokens)
+                self.sent.pop(rid, None)
+            else:
+                self.sent[rid] = len(c.token_ids)
+            batch.append(item)
+        if batch:
+            self.push.send(pack({"type": "outputs", "outputs": batch}))
+
+    def stats(self) -> dict:
+        data = dict(self.engine.stats())
+        if self.recorder is not None:
+            window = self.recorder.to_json("window")
+            total = self.recorder.to_json("total")
+            data["expert"] = {"layer_ids": window["layer_ids"], "balancedness": window["balancedness"],
+                              "ep_size": window["ep_size"],
+                              "rank_tokens_total": [sum(col) for col in zip(*total["rank_tokens"])]}
+        return data
+
+    def expert_load(self, op: str) -> dict:
+        if self.recorder is None:
+            raise ValueError("expert load recording is off (start the server with --expert-load-window > 0)")
+        if op == "start":
+            self.recorder.start_record()
+            return {"recording": True}
+        if op == "stop":
+            self.recorder.stop_record()
+            return {"recording": False}
+        if op not in ("window", "total", "record"):
+            raise ValueError(f"unknown expert_load op {op!r}")
+        return self.recorder.to_json(op)
