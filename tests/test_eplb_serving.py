@@ -16,7 +16,7 @@ import torch
 
 import moe.model
 from server import LLM, SamplingParams
-from tests.test_parallel_parity import PROMPTS, free_port, single_process_tokens  # noqa: F401
+from test_parallel_parity import PROMPTS, free_port, single_process_tokens  # noqa: F401
 
 WORKER = Path(__file__).with_name("eplb_worker.py")
 
