@@ -1,0 +1,162 @@
+"""Thin collectives, each on an explicit `Group`, each guarded by the group's watchdog.
+
+Legend: N rows along dim 0, W ranks in the group. `src` / `dst` are indices WITHIN the group (0..W-1),
+not global ranks. A group of one rank has no process group (`pg is None`) and every call is local.
+Control messages travel as msgpack bytes in uint8 tensors: nothing is pickled across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from parallel.watchdog import Watchdog
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn)
+_MAX_NDIM = 6
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """One axis' process group as this rank sees it."""
+
+    name: str  # "tp", "dp", "pp", "ep", "world", "cpu", or "local"
+    ranks: tuple[int, ...]  # global ranks in group order
+    rank: int  # this process's global rank
+    pg: dist.ProcessGroup | None = None  # None only for a group of one rank
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where its tensors live
+    watchdog: Watchdog | None = None
+
+    def __post_init__(self):
+        if self.rank not in self.ranks:
+            raise ValueError(f"group {self.name}: rank {self.rank} is not among its ranks {list(self.ranks)}")
+        if self.pg is None and len(self.ranks) > 1:
+            raise ValueError(f"group {self.name} of {len(self.ranks)} ranks needs a process group")
+
+    @classmethod
+    def single(cls, name: str = "local", rank: int = 0, device: torch.device | str = "cpu") -> "Group":
+        return cls(name, (rank,), rank, None, torch.device(device))
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def index(self) -> int:
+        """This rank's position in the group (what torch calls the group rank)."""
+        return self.ranks.index(self.rank)
+
+
+def _guarded(op: str, group: Group, fn: Callable[[], Any]) -> Any:
+    if group.watchdog is None:
+        return fn()
+    with group.watchdog.watch(f"{op}({group.name})", group.ranks):
+        return fn()
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        one = torch.ones(1, device=group.device)
+        _guarded("barrier", group, lambda: dist.all_reduce(one, group=group.pg))
+
+
+def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place; returns x."""
+    if group.size > 1:
+        _guarded("all_reduce", group, lambda: dist.all_reduce(x, op=op, group=group.pg))
+    return x
+
+
+def all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's x (same shape everywhere) along `dim`, in group order (TP outputs, logits)."""
+    if group.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    _guarded("all_gather", group, lambda: dist.all_gather(parts, x.contiguous(), group=group.pg))
+    return torch.cat(parts, dim=dim)
+
+
+def all_to_all_uneven(x_NX: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Group) -> torch.Tensor:
+    """Rows send_splits[w] of x (in order) go to group index w; returns the rows received, by source index.
+
+    x [N, ...] with N = sum(send_splits); result [sum(recv_splits), ...]. Empty splits (and N = 0) are fine.
+    """
+    W = group.size
+    if len(send_splits) != W or len(recv_splits) != W:
+        raise ValueError(f"all_to_all_uneven on {W} ranks needs {W} send and recv splits, got {send_splits}, {recv_splits}")
+    if sum(send_splits) != x_NX.shape[0]:
+        raise ValueError(f"send_splits {send_splits} sum to {sum(send_splits)}, but x has {x_NX.shape[0]} rows")
+    if W == 1:
+        return x_NX
+    out = x_NX.new_empty((sum(recv_splits), *x_NX.shape[1:]))
+    _guarded(
+        "all_to_all_uneven", group,
+        lambda: dist.all_to_all_single(out, x_NX.contiguous(), recv_splits, send_splits, group=group.pg),
+    )
+    return out
+
+
+# ---- control messages: msgpack bytes in uint8 tensors -------------------------------------------------
+def _to_bytes_tensor(obj: Any, device: torch.device) -> torch.Tensor:
+    data = msgpack.packb(obj, use_bin_type=True)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _from_bytes_tensor(t: torch.Tensor) -> Any:
+    return msgpack.unpackb(t.cpu().numpy().tobytes(), raw=False, strict_map_key=False)
+
+
+def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
+    """Send a msgpack-able object (dicts, lists, str, bytes, numbers) from group index `src` to all."""
+    if group.size == 1:
+        return obj
+    is_src = group.index == src
+    payload = _to_bytes_tensor(obj, group.device) if is_src else None
+    n = torch.tensor([payload.numel() if is_src else 0], dtype=torch.int64, device=group.device)
+    _guarded("broadcast_object.size", group, lambda: dist.broadcast(n, group=group.pg, group_src=src))
+    if not is_src:
+        payload = torch.empty(int(n.item()), dtype=torch.uint8, device=group.device)
+    _guarded("broadcast_object", group, lambda: dist.broadcast(payload, group=group.pg, group_src=src))
+    return obj if is_src else _from_bytes_tensor(payload)
+
+
+def all_gather_object(obj: Any, group: Group) -> list[Any]:
+    """Every rank's msgpack-able object, in group order."""
+    if group.size == 1:
+        return [obj]
+    payload = _to_bytes_tensor(obj, group.device)
+    sizes = all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=group.device), group, dim=0).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=group.device)
+    padded[: payload.numel()] = payload
+    gathered = all_gather(padded, group, dim=0).view(group.size, -1)
+    return [_from_bytes_tensor(gathered[i, :n]) for i, n in enumerate(sizes)]
+
+
+# ---- pipeline stages: hidden states point to point ----------------------------------------------------
+def send_tensor(x: torch.Tensor, dst: int, group: Group) -> None:
+    """Send x (any shape up to 6 dims, a dtype from _DTYPES) to group index `dst`; a header carries its shape."""
+    if x.dim() > _MAX_NDIM:
+        raise ValueError(f"send_tensor handles at most {_MAX_NDIM} dims, got {x.dim()}")
+    header = torch.zeros(2 + _MAX_NDIM, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    header = header.to(group.device)
+    _guarded("send.header", group, lambda: dist.send(header, group=group.pg, group_dst=dst))
+    if x.numel():
+        _guarded("send", group, lambda: dist.send(x.contiguous(), group=group.pg, group_dst=dst))
+
+
+def recv_tensor(src: int, group: Group) -> torch.Tensor:
+    """Receive what send_tensor sent from group index `src`, on this group's device."""
+    header = torch.empty(2 + _MAX_NDIM, dtype=torch.int64, device=group.device)
+    _guarded("recv.header", group, lambda: dist.recv(header, group=group.pg, group_src=src))
+    code, ndim, *dims = header.tolist()
+    x = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=group.device)
+    if x.numel():
+        _guarded("recv", group, lambda: dist.recv(x, group=group.pg, group_src=src))
+    return x
