@@ -87,6 +87,7 @@ class ExpertLoadRecorder:
         # measured slot counts (allocated here, outside any inference-mode forward pass)
         self._step_LR = self._ring_WLR = self._total_LR = self._record_LR = None
         self._alloc_slot_counts()
+        self._measured_slots = False  # set once a caller passes the slot ids it used
         self._pos = 0  # ring row the next completed step goes to
         self.steps_total = 0
         self.steps_recorded = 0
@@ -110,8 +111,7 @@ class ExpertLoadRecorder:
         ids = topk_ids_TK.reshape(-1).long()
         self._step_LE[layer].index_add_(0, ids, torch.ones_like(ids))
         if phy_ids_TK is not None:
-            if self._step_LR is None:
-                self._alloc_slot_counts()
+            self._measured_slots = True
             slots = phy_ids_TK.reshape(-1).long()
             self._step_LR[layer].index_add_(0, slots, torch.ones_like(slots))
 
@@ -126,7 +126,7 @@ class ExpertLoadRecorder:
     def end_step(self) -> None:
         """Close the step: move its counts into the ring (dropping the oldest step) and the totals."""
         pairs = [(self._step_LE, self._ring_WLE, self._total_LE, self._record_LE)]
-        if self._step_LR is not None:
+        if self._measured_slots:
             pairs.append((self._step_LR, self._ring_WLR, self._total_LR, self._record_LR))
         for step, ring, total, record in pairs:
             ring[self._pos].copy_(step)
@@ -161,13 +161,13 @@ class ExpertLoadRecorder:
     def snapshot(self) -> LoadSnapshot:
         """CPU copies of the window, total and record counts (one host sync; call between steps)."""
         window_LE = self._ring_WLE.sum(0).cpu()
-        total_LE, record_LE = self._total_LE.cpu(), self._record_LE.cpu()
-        measured = self._step_LR is not None
+        total_LE, record_LE = self._total_LE.cpu().clone(), self._record_LE.cpu().clone()  # copies, even on CPU
+        measured = self._measured_slots
         return LoadSnapshot(
             window_LE=window_LE, total_LE=total_LE, record_LE=record_LE,
             window_LR=self._slots(window_LE, self._ring_WLR.sum(0) if measured else None),
-            total_LR=self._slots(total_LE, self._total_LR if measured else None),
-            record_LR=self._slots(record_LE, self._record_LR if measured else None),
+            total_LR=self._slots(total_LE, self._total_LR.clone() if measured else None),
+            record_LR=self._slots(record_LE, self._record_LR.clone() if measured else None),
             recording=self.recording, window_steps=self.window_steps,
             steps_in_window=min(self.window_steps, self.steps_total), steps_total=self.steps_total,
             steps_recorded=self.steps_recorded)

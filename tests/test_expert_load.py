@@ -1,0 +1,114 @@
+"""ExpertLoadRecorder: the sliding window, totals and record sessions, slot counts under a placement, and the
+engine hook counting exactly what the router chose. (The HTTP endpoints: test_api.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from balancer.stats import ExpertLoadRecorder, balancedness_per_layer
+
+
+def test_worked_example_from_docstring():
+    rec = ExpertLoadRecorder(2, 3, window_steps=2)
+    rec.record(0, torch.tensor([[0, 1], [0, 2]]))
+    rec.record(1, torch.tensor([[2, 2]]))
+    rec.end_step()
+    assert rec.snapshot().window_LE.tolist() == [[2, 1, 1], [0, 0, 2]]
+
+
+def test_window_slides_totals_accumulate():
+    rec = ExpertLoadRecorder(1, 4, window_steps=2)
+    for step in range(3):  # step s routes (s + 1) tokens to expert s
+        rec.record(0, torch.full((step + 1, 1), step))
+        rec.end_step()
+    snap = rec.snapshot()
+    assert snap.window_LE.tolist() == [[0, 2, 3, 0]]  # the first step has left the window
+    assert snap.total_LE.tolist() == [[1, 2, 3, 0]]
+    assert (snap.steps_in_window, snap.steps_total) == (2, 3)
+    rec.record(0, torch.tensor([[3]]))  # an unfinished step is in neither view
+    assert rec.snapshot().window_LE.tolist() == [[0, 2, 3, 0]]
+
+
+def test_record_session():
+    rec = ExpertLoadRecorder(1, 2, window_steps=8)
+    rec.record(0, torch.tensor([[0]]))
+    rec.end_step()
+    rec.start_record()
+    rec.record(0, torch.tensor([[1], [1]]))
+    rec.end_step()
+    rec.stop_record()
+    rec.record(0, torch.tensor([[0]]))
+    rec.end_step()
+    dump = rec.to_json("record")
+    assert dump["logical_counts"] == [[0, 2]] and dump["steps"] == 1 and not dump["recording"]
+    rec.start_record()  # a new session starts from zero
+    assert rec.to_json("record")["logical_counts"] == [[0, 0]]
+
+
+def test_balancedness_definition():
+    load = torch.tensor([[4.0, 2.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    # EP size 1: each expert its own unit -> mean 2 / max 4; a layer without load counts as balanced
+    assert balancedness_per_layer(load, 1).tolist() == [0.5, 1.0]
+    # 2 ranks: slots {0, 1} -> 6, {2, 3} -> 2: mean 4 / max 6
+    assert balancedness_per_layer(load, 2)[0].item() == pytest.approx(4 / 6)
+    with pytest.raises(ValueError, match="do not divide"):
+        balancedness_per_layer(load, 3)
+
+
+def test_slots_follow_placement():
+    # expert 0 has two replicas (slots 0 and 3): its tokens split evenly between them
+    rec = ExpertLoadRecorder(1, 3, window_steps=4, ep_size=2, phy2log_LR=torch.tensor([[0, 1, 2, 0]]))
+    rec.record(0, torch.tensor([[0], [0], [0], [0], [1], [2]]))
+    rec.end_step()
+    dump = rec.to_json()
+    assert dump["logical_counts"] == [[4, 1, 1]]
+    assert dump["physical_counts"] == [[2.0, 1.0, 1.0, 2.0]]
+    assert dump["rank_tokens"] == [[3.0, 3.0]] and dump["balancedness"] == [1.0]
+    # measured slot ids, when the caller has them, win over the even split
+    rec.record(0, torch.tensor([[0], [0]]), phy_ids_TK=torch.tensor([[3], [3]]))
+    rec.end_step()
+    assert rec.to_json()["physical_counts"] == [[0, 0, 0, 2]]  # only the measured step is in the measured window
+
+
+def test_identity_placement_json():
+    rec = ExpertLoadRecorder(2, 4, layer_ids=[1, 3])
+    dump = rec.to_json()
+    assert dump["placement"]["phy2log"] == [[0, 1, 2, 3]] * 2 and dump["layer_ids"] == [1, 3]
+    assert dump["balancedness"] == [1.0, 1.0] and dump["ep_size"] == 1
+
+
+def test_engine_hook_counts_what_the_router_chose(checkpoint, monkeypatch):
+    import moe.model
+    from server import LLM, SamplingParams
+
+    llm = LLM(checkpoint("v3"), dtype="float32")
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(["Hello", "Once upon a time"], params)]
+    rec = llm.engine.enable_expert_load_recording(window_steps=64)
+    assert rec is llm.engine.expert_load_recorder  # on by default, attached once
+    before = rec.snapshot()
+    routed = []
+    real_route = moe.model.route
+
+    def counting_route(*args, **kw):
+        weights, ids = real_route(*args, **kw)
+        routed.append(ids.flatten().bincount(minlength=rec.num_experts))
+        return weights, ids
+
+    monkeypatch.setattr(moe.model, "route", counting_route)
+    engine = llm.engine
+    for i, prompt in enumerate(["Hello again, world", "The expert router sends"]):
+        engine.add_request(llm.tokenizer.encode(prompt), params, request_id=f"r{i}")
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out  # the engine closes the recorder's step itself
+    L = rec.num_layers
+    direct = torch.stack([sum(routed[j::L]) for j in range(L)])
+    snap = rec.snapshot()
+    assert torch.equal(snap.window_LE - before.window_LE, direct) and torch.equal(snap.total_LE - before.total_LE, direct)
+    top_k = engine.model_config.num_experts_per_tok  # every token through the model: prompt + all outputs but the last
+    assert (snap.window_LE - before.window_LE).sum().item() == L * top_k * sum(len(o.prompt_token_ids) + 4 for o in outs.values())
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate(["Hello", "Once upon a time"], params)] == plain
