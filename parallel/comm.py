@@ -151,6 +151,28 @@ def send_tensor(x: torch.Tensor, dst: int, group: Group) -> None:
         _guarded("send", group, lambda: dist.send(x.contiguous(), group=group.pg, group_dst=dst))
 
 
+def isend_tensor(x: torch.Tensor, dst: int, group: Group) -> Callable[[], None]:
+    """Start sending x as send_tensor does, without waiting (so the sender can compute on while the
+    receiver takes it); returns a function that waits for the send to finish."""
+    if x.dim() > _MAX_NDIM:
+        raise ValueError(f"isend_tensor handles at most {_MAX_NDIM} dims, got {x.dim()}")
+    header = torch.zeros(2 + _MAX_NDIM, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    header, payload = header.to(group.device), x.contiguous()
+    works = [dist.isend(header, group=group.pg, group_dst=dst)]
+    if payload.numel():
+        works.append(dist.isend(payload, group=group.pg, group_dst=dst))
+
+    def wait() -> None:
+        in_flight = (header, payload)  # keep both alive until the send is done
+        for work in works:
+            _guarded("isend", group, work.wait)
+        del in_flight
+
+    return wait
+
+
 def recv_tensor(src: int, group: Group) -> torch.Tensor:
     """Receive what send_tensor sent from group index `src`, on this group's device."""
     header = torch.empty(2 + _MAX_NDIM, dtype=torch.int64, device=group.device)

@@ -16,10 +16,10 @@ from moe.config import ModelConfig
 from moe.loader import load_checkpoint
 from moe.model import DeepseekForCausalLM
 from parallel import comm
-from parallel.pipeline import stage_layer_range
+from parallel.pipeline import split_micro_batches, stage_layer_range
 from parallel.state import ParallelState
 from server.sampler import SampleResult, sample
-from server.scheduler import SchedulerOutput
+from server.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,11 @@ class ModelRunner:
         log.info("layers [%d, %d); KV cache: %d blocks x %d tokens, %.1f MiB", *layer_range, num_blocks, block_size,
                  sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)
 
-    def _prepare(self, sched: SchedulerOutput):
+    def _prepare(self, scheduled: list[ScheduledRequest]):
         bs = self.block_size
         token_ids, positions, slots = [], [], []
         decode_idx, decode_tables, decode_lens, prefills, sample_idx, sample_reqs = [], [], [], [], [], []
-        for item in sched.scheduled:
+        for item in scheduled:
             req, n = item.request, item.num_new_tokens
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             t0 = len(token_ids)
@@ -90,18 +90,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[str, SampleResult]:
-        """Runs the step (an empty one is a dummy batch that still takes part in every collective)."""
-        (input_ids_T, positions_T), meta, sample_idx, sample_reqs = self._prepare(sched)
+        """Runs the step (an empty one is a dummy batch that still takes part in every collective).
+
+        Under pipeline parallelism the step is cut into as many micro-batches as there are stages:
+        a stage sends micro-batch m on without waiting and computes m + 1 while the next stage
+        computes m, so stages work at the same time instead of in turn.
+        """
         pp, first, last = self.pp, self.model.model.is_first, self.model.model.is_last
-        hidden_in = None if first else comm.recv_tensor(pp.index - 1, pp)
-        hidden_TH = self.model(input_ids_T, positions_T, self.kv_caches, meta, hidden_in)
+        parts = split_micro_batches(sched.scheduled, [s.num_new_tokens for s in sched.scheduled], pp.size)
         results: dict[str, SampleResult] = {}
-        if not last:
-            comm.send_tensor(hidden_TH, pp.index + 1, pp)
-        elif sample_reqs:
-            logits_BV = self.model.compute_logits(hidden_TH[torch.tensor(sample_idx, device=self.device)])
-            samples = sample(logits_BV.cpu(), sample_reqs, self.generator)
-            results = {req.request_id: r for req, r in zip(sample_reqs, samples)}
+        pending_sends = []
+        for part in parts:
+            (input_ids_T, positions_T), meta, sample_idx, sample_reqs = self._prepare(part)
+            hidden_in = None if first else comm.recv_tensor(pp.index - 1, pp)
+            hidden_TH = self.model(input_ids_T, positions_T, self.kv_caches, meta, hidden_in)
+            if not last:
+                pending_sends.append(comm.isend_tensor(hidden_TH, pp.index + 1, pp))
+            elif sample_reqs:
+                logits_BV = self.model.compute_logits(hidden_TH[torch.tensor(sample_idx, device=self.device)])
+                samples = sample(logits_BV.cpu(), sample_reqs, self.generator)
+                results.update({req.request_id: r for req, r in zip(sample_reqs, samples)})
+        for wait in pending_sends:
+            wait()
         if pp.size > 1:
             wire = {rid: [r.token_id, r.logprob, r.top_logprobs] for rid, r in results.items()} if last else None
             wire = comm.broadcast_object(wire, pp, src=pp.size - 1)
