@@ -52,20 +52,9 @@ class LLMEngine:
                               mc.vocab_size)  # before any weight loads
         self.parallel = init_parallel(pcfg, device=None if config.device == "auto" else config.device)
         log_rank_table(self.parallel)
-        stage = stage_layer_range(mc.num_hidden_layers, pcfg.pipeline_parallel_size, self.parallel.coords.pp_rank)
-        moe_layers = [i for i in range(*stage) if mc.is_moe_layer(i)]
-        placement = None
-        if moe_layers:
-            placement = initial_placement(moe_layers, mc.n_routed_experts, num_slots, pcfg.ep_size, mc.n_group or 1,
-                                          config.expert_placement)
-        if eplb.num_redundant_experts:
-            per_slot = 3 * mc.hidden_size * mc.moe_intermediate_size * self.dtype.itemsize
-            log.info("%d redundant expert slots per MoE layer: %.1f MiB more per EP rank over %d layers",
-                     eplb.num_redundant_experts, eplb.num_redundant_experts * per_slot * len(moe_layers)
-                     / pcfg.ep_size / 2**20, len(moe_layers))
         t0 = time.perf_counter()
         self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size, self.parallel,
-                                  seed=config.seed, placement=placement)
+                                  seed=config.seed, placement=self._initial_placement(num_slots))
         log.info("loaded %s (%s) in %.1f s", config.model, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
         self.expert_load_recorder = None
         self.rebalancer = None
@@ -82,6 +71,22 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.kv_cache_tokens_total = num_blocks * config.block_size
+
+    def _initial_placement(self, num_slots: int) -> dict[int, list[int]] | None:
+        """This stage's expert placement at start-up (see balancer/placement_file.py); logs the memory
+        that redundant slots cost."""
+        mc, pcfg, config = self.model_config, self.parallel.config, self.config
+        stage = stage_layer_range(mc.num_hidden_layers, pcfg.pipeline_parallel_size, self.parallel.coords.pp_rank)
+        moe_layers = [i for i in range(*stage) if mc.is_moe_layer(i)]
+        if not moe_layers:
+            return None
+        if config.num_redundant_experts:
+            slot_bytes = 3 * mc.hidden_size * mc.moe_intermediate_size * self.dtype.itemsize
+            log.info("%d redundant expert slots per MoE layer: %.1f MiB more per EP rank over %d layers",
+                     config.num_redundant_experts,
+                     config.num_redundant_experts * slot_bytes * len(moe_layers) / pcfg.ep_size / 2**20, len(moe_layers))
+        return initial_placement(moe_layers, mc.n_routed_experts, num_slots, pcfg.ep_size, mc.n_group or 1,
+                                 config.expert_placement)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
