@@ -1,0 +1,157 @@
+"""The expert balancer (balancer/eplb.py): valid plans, EPLB's balance or better, few moves with `previous`."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from balancer import balancedness, moved_slots, rebalance_experts, validate_plan
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import eplb_reference  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The reference EPLB runs many small ops; extra threads only slow them down on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def zipf_load(num_layers: int, num_experts: int, s: float, seed: int, tokens: int = 65536) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -s
+    shares = torch.stack([ranks[torch.randperm(num_experts, generator=gen)] for _ in range(num_layers)])
+    return torch.poisson(shares / shares.sum(1, keepdim=True) * tokens, generator=gen)
+
+
+def drifted(weight: torch.Tensor, sigma: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.exp(sigma * torch.randn(weight.shape, generator=gen, dtype=torch.float64))
+    return torch.poisson(weight.double() * noise, generator=gen)
+
+
+def check(weight, num_replicas, num_gpus, num_groups=4, num_nodes=1, **kwargs):
+    phy2log, log2phy, logcnt = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, **kwargs)
+    num_layers, num_experts = weight.shape
+    assert phy2log.shape == (num_layers, num_replicas) and phy2log.dtype == torch.int64
+    assert logcnt.shape == (num_layers, num_experts)
+    assert log2phy.shape[:2] == (num_layers, num_experts) and log2phy.shape[2] == logcnt.max()
+    validate_plan(phy2log, log2phy, logcnt, num_experts)
+    return phy2log
+
+
+@pytest.mark.parametrize("num_replicas,num_gpus,num_experts", [(24, 4, 16), (20, 4, 16), (16, 4, 16), (96, 16, 64),
+                                                              (18, 1, 16), (40, 8, 16)])
+def test_plans_valid_on_random_loads(num_replicas, num_gpus, num_experts):
+    gen = torch.Generator().manual_seed(num_replicas)
+    for scale in (1.0, 100.0):
+        weight = torch.poisson(torch.rand(3, num_experts, generator=gen) * scale, generator=gen)
+        check(weight, num_replicas, num_gpus)
+
+
+@pytest.mark.parametrize("name", ["zeros", "one_expert", "all_equal", "sparse", "huge"])
+def test_plans_valid_on_edge_loads(name):
+    num_layers, num_experts = 3, 16
+    weight = {
+        "zeros": torch.zeros(num_layers, num_experts),
+        "one_expert": torch.zeros(num_layers, num_experts).index_fill_(1, torch.tensor([5]), 1000.0),
+        "all_equal": torch.full((num_layers, num_experts), 7.0),
+        "sparse": (torch.arange(num_layers * num_experts).view(num_layers, num_experts) % 5 == 0).float(),
+        "huge": torch.full((num_layers, num_experts), 1e30),
+    }[name]
+    for num_replicas, num_gpus in ((24, 4), (16, 4), (24, 1), (48, 4)):
+        phy2log = check(weight, num_replicas, num_gpus)
+        if name == "one_expert" and num_replicas > num_experts:
+            # The busy expert gets a multiple of num_gpus replicas (8 of 24 slots, not EPLB's 9), spread evenly.
+            assert balancedness(weight, phy2log, num_gpus).tolist() == [1.0] * num_layers
+    assert balancedness(weight, check(weight, 24, 4), 4).min() > 0
+
+
+def test_one_gpu_and_no_redundancy():
+    weight = zipf_load(2, 16, 1.0, seed=1)
+    assert balancedness(weight, check(weight, 16, 1), 1).tolist() == [1.0, 1.0]  # one GPU holds everything
+    phy2log = check(weight, 16, 4)  # R == E: a permutation of the experts in each layer
+    assert (phy2log.sort(1).values == torch.arange(16)).all()
+
+
+def test_deterministic_and_dtype_agnostic():
+    weight = zipf_load(4, 64, 1.1, seed=2)
+    first = rebalance_experts(weight, 96, 8, 2, 16)
+    second = rebalance_experts(weight.clone(), 96, 8, 2, 16)
+    as_int = rebalance_experts(weight.long(), 96, 8, 2, 16)
+    for a, b, c in zip(first, second, as_int):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_bad_arguments_say_what_is_wrong():
+    weight = torch.ones(2, 16)
+    with pytest.raises(ValueError, match="num_gpus 3 does not divide 20 slots"):
+        rebalance_experts(weight, 20, 4, 1, 3)
+    with pytest.raises(ValueError, match="cannot hold 16 experts"):
+        rebalance_experts(weight, 12, 4, 1, 4)
+    with pytest.raises(ValueError, match="num_nodes 3 does not divide 4 GPUs"):
+        rebalance_experts(weight, 16, 4, 3, 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        rebalance_experts(-weight, 16, 4, 1, 4)
+    with pytest.raises(ValueError, match=r"previous must be the current phy2log \[2, 20\]"):
+        rebalance_experts(weight, 20, 4, 1, 4, previous=torch.zeros(2, 16, dtype=torch.int64))
+    with pytest.raises(ValueError, match="without a slot"):
+        rebalance_experts(weight, 20, 4, 1, 4, previous=torch.zeros(2, 20, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("num_replicas,num_gpus,num_nodes,num_experts", [(288, 32, 4, 256), (320, 64, 8, 256),
+                                                                         (80, 8, 1, 64)])
+def test_at_least_eplb_best_policy(num_replicas, num_gpus, num_nodes, num_experts):
+    for seed, s in enumerate((0.0, 1.0, 1.4)):
+        weight = zipf_load(4, num_experts, s, seed=seed)
+        ours = balancedness(weight, check(weight, num_replicas, num_gpus, 8, num_nodes), num_gpus)
+        for policy in ("hierarchical", "global"):
+            eplb = eplb_reference.rebalance_experts(weight, num_replicas, 8, num_nodes, num_gpus, policy=policy)[0]
+            eplb_balance = balancedness(weight, eplb, num_gpus)
+            assert ours.mean() >= eplb_balance.mean() - 1e-9, (policy, s)
+            if policy == "global":  # one of our packing candidates is exactly EPLB's global plan
+                assert (ours >= eplb_balance - 1e-9).all(), s
+
+
+def test_previous_with_the_same_load_moves_nothing():
+    weight = zipf_load(4, 64, 1.0, seed=3)
+    plan = check(weight, 96, 16)
+    assert moved_slots(plan, check(weight, 96, 16, previous=plan)) == 0
+
+
+@pytest.mark.parametrize("num_replicas,num_gpus,num_experts,s", [(288, 32, 256, 1.0), (320, 64, 256, 1.0),
+                                                                 (80, 8, 64, 1.2), (256, 32, 256, 0.5)])
+def test_previous_under_drift_keeps_balance_and_most_slots(num_replicas, num_gpus, num_experts, s):
+    weight = zipf_load(6, num_experts, s, seed=4)
+    plan = check(weight, num_replicas, num_gpus)
+    for window in range(2):
+        weight = drifted(weight, 0.15, seed=10 + window)
+        fresh = balancedness(weight, check(weight, num_replicas, num_gpus), num_gpus)
+        replanned = check(weight, num_replicas, num_gpus, previous=plan)
+        kept = balancedness(weight, replanned, num_gpus)
+        assert kept.mean() >= fresh.mean() - 0.02
+        assert moved_slots(plan, replanned) <= replanned.numel() / 3
+        plan = replanned
+
+
+def test_previous_may_come_from_eplb():
+    weight = zipf_load(4, 256, 1.0, seed=5)
+    eplb = eplb_reference.rebalance_experts(weight, 288, 8, 4, 32)[0]  # hierarchical: poorly balanced
+    replanned = check(weight, 288, 32, 8, 4, previous=eplb)
+    fresh = balancedness(weight, check(weight, 288, 32, 8, 4), 32)
+    assert balancedness(weight, replanned, 32).mean() >= fresh.mean() - 0.01 - 1e-9
+
+
+def test_reference_hierarchical_keeps_groups_on_nodes():
+    weight = zipf_load(3, 256, 1.0, seed=6)
+    phy2log, log2phy, logcnt = eplb_reference.rebalance_experts(weight, 288, 8, 4, 32, policy="hierarchical")
+    validate_plan(phy2log, log2phy, logcnt, 256)
+    node_of_slot = torch.arange(288) // 72
+    group_of_slot = phy2log // 32
+    for layer in range(3):
+        for group in range(8):
+            assert len(node_of_slot[group_of_slot[layer] == group].unique()) == 1
