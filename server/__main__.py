@@ -2,4 +2,5 @@ import sys
 
 from server.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # guarded: the spawned engine process re-imports the main module
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`moe` command line: `moe generate`, `moe make-checkpoint` (and `python -m server ...`)."""
+"""`moe` command line: `moe generate`, `moe serve`, `moe report`, `moe make-checkpoint` (and `python -m server ...`)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,39 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from moe.config import ModelConfig
+    from server.config import EngineConfig
+
+    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
+                        ("--pipeline-parallel-size", args.pipeline_parallel_size),
+                        ("--data-parallel-size", args.data_parallel_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+        if value > 1:
+            raise ValueError(f"{flag} {value} is not yet supported by `moe serve` (single-process engine for now); "
+                             "use 1")
+    kwargs = dict(model=args.model, **_engine_kwargs(args), eplb_window=args.expert_load_window)
+    EngineConfig(**kwargs)  # bad flags fail here, with one line, before any process starts
+    ModelConfig.from_dir(args.model)
+
+    from server.api import ServerArgs, run_server
+
+    level = logging.INFO if args.verbose else logging.WARNING
+    print(f"moe serve: {args.model} on http://{args.host}:{args.port} (GET /ready answers 200 once warmed up)",
+          file=sys.stderr, flush=True)
+    run_server(ServerArgs(engine_kwargs=kwargs, served_model_names=args.served_model_name or [],
+                          api_key=args.api_key, log_level=level),
+               args.host, args.port)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from server.report import main as report_main
+
+    return report_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe", description="Expert-parallel serving of DeepSeek-style MoE models")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (loading shards, KV cache)")
@@ -84,6 +117,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-seed", type=int, default=None)
     _add_engine_flags(g)
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
+    s.add_argument("model", help="checkpoint directory")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API accepts and reports (default: the MODEL argument)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    s.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    s.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    s.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    s.add_argument("--enable-expert-parallel", action="store_true",
+                   help="experts over the TP x DP ranks (EP size 1 with a single rank)")
+    s.add_argument("--expert-load-window", type=int, default=1000,
+                   help="engine steps the expert-load window holds (GET /v1/expert_load, moe_expert_balancedness)")
+    _add_engine_flags(s)
+    s.set_defaults(func=cmd_serve)
+    r = sub.add_parser("report", help="expert-load heatmaps and a text summary from a server or a dump")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="server base URL: reads GET URL/v1/expert_load")
+    src.add_argument("--file", help="a JSON dump (from /v1/expert_load or /dump_expert_distribution_record)")
+    r.add_argument("--out", required=True, help="directory for the PNGs and summary.txt")
+    r.add_argument("--view", default="window", choices=["window", "total", "record"], help="with --url: which counts")
+    r.add_argument("--api-key", default=None)
+    r.add_argument("--ep-size", type=int, default=None,
+                   help="EP ranks to show and simulate (default: the dump's; 1 = each expert its own unit)")
+    r.add_argument("--extra-replicas", type=int, default=None,
+                   help="replicas to add to the hottest experts in the simulation (default: one per EP rank, "
+                        "or an eighth of the experts with EP size 1)")
+    r.set_defaults(func=cmd_report)
     m = sub.add_parser("make-checkpoint", help="write a small random DeepSeek-style checkpoint (HF format)")
     m.add_argument("--out", required=True)
     m.add_argument("--preset", default="v3")

@@ -42,8 +42,7 @@ def unpack(raw: bytes) -> dict:
     return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
-def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, expert_window_steps: int,
-                       log_level: int = logging.WARNING) -> None:
+def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, log_level: int = logging.WARNING) -> None:
     """Entry point of the spawned engine process."""
     logging.basicConfig(level=log_level, format="%(asctime)s [engine] %(name)s: %(message)s", datefmt="%H:%M:%S")
     ctx = zmq.Context()
@@ -56,7 +55,7 @@ def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, e
         from server.engine import LLMEngine
 
         engine = LLMEngine(EngineConfig(**engine_kwargs))
-        recorder = engine.enable_expert_load_recording(expert_window_steps) if expert_window_steps > 0 else None
+        recorder = engine.expert_load_recorder  # on by default (None without MoE layers); the engine closes its steps
     except Exception as exc:  # noqa: BLE001 - reported to the front end, which exits with it
         log.exception("engine failed to start")
         push.send(pack({"type": "startup_error", "message": f"{type(exc).__name__}: {exc}"}))
@@ -170,7 +169,7 @@ class EngineLoop:
 
     def expert_load(self, op: str) -> dict:
         if self.recorder is None:
-            raise ValueError("expert load recording is off (start the server with --expert-load-window > 0)")
+            raise ValueError("this model has no MoE layers: there is no expert load to report")
         if op == "start":
             self.recorder.start_record()
             return {"recording": True}

@@ -83,10 +83,11 @@ def test_engine_hook_counts_what_the_router_chose(checkpoint, monkeypatch):
     from server import LLM, SamplingParams
 
     llm = LLM(checkpoint("v3"), dtype="float32")
+    engine = llm.engine
+    rec = engine.expert_load_recorder  # on by default
+    assert rec is not None and engine.enable_expert_load_recording() is rec  # attached once
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm.generate(["Hello", "Once upon a time"], params)]
-    rec = llm.engine.enable_expert_load_recording(window_steps=64)
-    assert rec is llm.engine.expert_load_recorder  # on by default, attached once
     before = rec.snapshot()
     routed = []
     real_route = moe.model.route
@@ -97,18 +98,14 @@ def test_engine_hook_counts_what_the_router_chose(checkpoint, monkeypatch):
         return weights, ids
 
     monkeypatch.setattr(moe.model, "route", counting_route)
-    engine = llm.engine
-    for i, prompt in enumerate(["Hello again, world", "The expert router sends"]):
-        engine.add_request(llm.tokenizer.encode(prompt), params, request_id=f"r{i}")
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs[out.request_id] = out  # the engine closes the recorder's step itself
+    outs = llm.generate(["Hello again, world", "The expert router sends"], params)
     L = rec.num_layers
-    direct = torch.stack([sum(routed[j::L]) for j in range(L)])
-    snap = rec.snapshot()
-    assert torch.equal(snap.window_LE - before.window_LE, direct) and torch.equal(snap.total_LE - before.total_LE, direct)
+    direct_LE = torch.stack([sum(routed[j::L]) for j in range(L)])
+    after = rec.snapshot()
+    assert torch.equal(after.total_LE - before.total_LE, direct_LE)
+    assert torch.equal(after.window_LE - before.window_LE, direct_LE)  # the window (1000 steps) holds both runs
+    assert torch.equal(after.total_LR - before.total_LR, direct_LE)  # identity placement: slot i = expert i
     top_k = engine.model_config.num_experts_per_tok  # every token through the model: prompt + all outputs but the last
-    assert (snap.window_LE - before.window_LE).sum().item() == L * top_k * sum(len(o.prompt_token_ids) + 4 for o in outs.values())
+    assert direct_LE.sum().item() == L * top_k * sum(len(o.prompt_token_ids) + 4 for o in outs)
     monkeypatch.undo()
     assert [o.outputs[0].token_ids for o in llm.generate(["Hello", "Once upon a time"], params)] == plain

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible HTTP front end: FastAPI + uvicorn in this process, the engine in another.
+
+`moe serve MODEL` builds the app with `build_app(ServerArgs(...))` and runs it with uvicorn. At start-up
+the lifespan spawns the engine process (server/engine_client.py), waits for it to load the model, then
+warms it up with one tiny generation in the background; /ready answers 200 once that is done.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/expert_load, /health, /ready, /version,
+/metrics, and SGLang's /start_expert_distribution_record, /stop_expert_distribution_record,
+/dump_expert_distribution_record. Every error is an OpenAI error body (server/protocol.py); request
+validation errors are 400 (not FastAPI's 422). With an API key, /v1/* and the record routes need
+`Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.engine_client import EngineClient, Sink
+from server.metrics import Metrics
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from server.sampling_params import SamplingParams
+from server.serving import OpenAIServing
+
+log = logging.getLogger(__name__)
+
+RECORD_ROUTES = ("/start_expert_distribution_record", "/stop_expert_distribution_record",
+                 "/dump_expert_distribution_record")
+
+
+@dataclass
+class ServerArgs:
+    engine_kwargs: dict  # EngineConfig fields, model included
+    served_model_names: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    heartbeat_timeout_s: float = 30.0
+    log_level: int = logging.WARNING
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moe-serve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (streaming and disconnect detection pass through untouched); constant-time compare."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        protected = path.startswith("/v1") or path in RECORD_ROUTES
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and protected:
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                await JSONResponse(error_body("invalid or missing API key: send 'Authorization: Bearer <key>'", 401),
+                                   status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(args: ServerArgs) -> FastAPI:
+    disable_created_metrics()  # no *_created series next to every counter and histogram
+    model = args.engine_kwargs["model"]
+    names = args.served_model_names or [model]
+    metrics = Metrics()
+    state: dict = {"ready": False}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = EngineClient(args.engine_kwargs, metrics, args.heartbeat_timeout_s, args.log_level)
+        try:
+            client.spawn()  # the engine loads the model while this process loads the tokenizer
+            tokenizer = await asyncio.get_running_loop().run_in_executor(None, _load_tokenizer, model)
+            info = await client.wait_ready()
+        except BaseException:
+            await client.close()
+            raise
+        state["client"] = client
+        state["serving"] = OpenAIServing(client, tokenizer, names, info["max_model_len"], info["vocab_size"])
+        warmup = asyncio.create_task(_warm_up(client, tokenizer, state))
+        try:
+            yield
+        finally:
+            warmup.cancel()
+            await client.close()
+
+    app = FastAPI(title="moe-serve", version=_version(), lifespan=lifespan)
+    if args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+
+    def serving() -> OpenAIServing:
+        return state["serving"]
+
+    def client() -> EngineClient:
+        c = state["client"]
+        if not c.alive:
+            raise APIError(f"the engine is not running ({c.dead_reason or 'no heartbeat'})", status=503)
+        return c
+
+    # ---- errors -----------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        err = (exc.errors() or [{}])[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"the request body is not valid JSON: {err.get('msg', '')}", 400), 400)
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return JSONResponse(error_body(f"{where}: {err.get('msg', 'invalid value')}", 400, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
+
+    # ---- OpenAI routes ----------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        client()
+        return await serving().completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        client()
+        return await serving().chat(body, raw)
+
+    @app.get("/v1/models")
+    async def models():
+        info = state["client"].info
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "moe-serve",
+                                            "root": model, "max_model_len": info.get("max_model_len")} for n in names]}
+
+    # ---- health, metrics --------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        client()
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready():
+        client()
+        if not state["ready"]:
+            raise APIError("warming up", status=503)
+        return {"ready": True}
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        c = state["client"]
+        if c.alive:
+            try:
+                metrics.engine.update(await c.call("stats", timeout_s=5.0), alive=True)
+            except Exception as exc:  # noqa: BLE001 - scrape with the last values rather than fail
+                log.warning("engine stats unavailable: %s", exc)
+        else:
+            metrics.engine.engine_alive = False
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- expert load ------------------------------------------------------------------------------
+    async def expert_load(op: str) -> dict:
+        try:
+            return await client().call("expert_load", op=op)
+        except ValueError as exc:
+            raise APIError(str(exc), param="expert_load") from None
+
+    @app.get("/v1/expert_load")
+    async def get_expert_load(view: str = "window"):
+        if view not in ("window", "total", "record"):
+            raise APIError(f"view must be window, total or record, got {view!r}", param="view")
+        return await expert_load(view)
+
+    @app.post("/start_expert_distribution_record")
+    async def start_record():
+        return await expert_load("start")
+
+    @app.post("/stop_expert_distribution_record")
+    async def stop_record():
+        return await expert_load("stop")
+
+    @app.post("/dump_expert_distribution_record")
+    async def dump_record():
+        return await expert_load("record")
+
+    return app
+
+
+def _load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+async def _warm_up(client: EngineClient, tokenizer, state: dict) -> None:
+    """One tiny greedy generation through the whole path; then /ready answers 200."""
+    queue: asyncio.Queue = asyncio.Queue()
+    ids = tokenizer.encode("warm up")
+    client.add("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0), None,
+               Sink(queue, 0, len(ids), track_metrics=False))
+    while True:
+        _, item = await queue.get()
+        if "error" in item:
+            log.error("warm-up failed: %s", item["error"])
+            return
+        if "finish" in item:
+            break
+    state["ready"] = True
+    log.info("warm-up done; ready")
+
+
+def run_server(args: ServerArgs, host: str, port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(build_app(args), host=host, port=port, log_level=logging.getLevelName(args.log_level).lower(),
+                timeout_keep_alive=5)

@@ -1,0 +1,150 @@
+"""OpenAI-compatible request bodies (pydantic) and the error body every failure is answered with.
+
+Requests map onto `SamplingParams` field by field (`to_sampling_params`); fields OpenAI defines that the
+engine cannot honour (penalties, logit_bias, best_of, suffix, tools) are rejected with a 400 naming the
+field rather than silently ignored. Unknown extra fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictInt
+
+from server.sampling_params import SamplingParams
+
+Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.param)
+
+
+def error_body(message: str, status: int = 400, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": APIError.TYPES.get(status, "APIError"), "param": param,
+                      "code": status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+    def _check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(f"{name} is not supported (only 0)", param=name)
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, logprobs_param: str) -> SamplingParams:
+        self._check_unsupported()
+        kw: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
+            min_tokens=self.min_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output)
+        try:
+            return SamplingParams(**kw)
+        except ValueError as exc:  # SamplingParams names the field first: "max_tokens must be ..."
+            field = str(exc).split(" ", 1)[0]
+            raise APIError(str(exc), param=logprobs_param if field == "logprobs" else
+                           field if field in type(self).model_fields else None) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of is not supported (leave it unset or equal to n)", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError("echo together with logprobs is not supported: prompt logprobs are not computed",
+                           param="echo")
+        return self._sampling_params(self.max_tokens, self.logprobs, "logprobs")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True  # vLLM extra
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise APIError("tools are not supported", param="tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self._sampling_params(max_tokens, logprobs, "top_logprobs")
+        except APIError as exc:
+            if exc.param == "max_tokens":
+                exc.param = param
+            raise

@@ -1,0 +1,323 @@
+"""/v1/completions and /v1/chat/completions: prompts -> engine requests -> OpenAI responses (SSE or JSON).
+
+One API call becomes one engine request per (prompt, sample): choice index = prompt index * n + sample,
+sample j gets seed + j (as the offline `LLM` does). Their outputs share one queue. Streaming detokenizes
+incrementally; while a request has stop strings the last (longest stop - 1) characters are held back, so
+text a stop string later removes is never sent. The final text is always the engine's. A client that goes
+away aborts the engine requests still running (their KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from server.detokenizer import IncrementalDetokenizer
+from server.engine_client import EngineClient, Sink
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from server.sampling_params import SamplingParams
+
+
+@dataclass
+class Choice:
+    index: int
+    engine_id: str
+    prompt_ids: list[int]
+    prompt_text: str | None
+    detok: IncrementalDetokenizer | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[list] = field(default_factory=list)  # per token: [[token id, logprob], ...]
+    sent: str = ""  # text streamed so far
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    finished: bool = False
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that runs `on_close` however the stream ends (finished or client gone)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+            await self.body_iterator.aclose()
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, tokenizer, served_names: list[str], max_model_len: int, vocab_size: int):
+        self.client, self.tokenizer, self.served_names = client, tokenizer, served_names
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self._token_text: dict[int, str] = {}
+
+    # ---- shared steps ---------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.served_names:
+            raise APIError(f"model {model!r} does not exist; this server serves {self.served_names}", param="model")
+        return model or self.served_names[0]
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError("prompt is empty: give a non-empty string or at least one token id", param=param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
+        if len(ids) >= self.max_model_len:
+            raise APIError(f"prompt has {len(ids)} tokens; the maximum is {self.max_model_len - 1} (max_model_len "
+                           f"{self.max_model_len} leaves room for at least one generated token)", param=param)
+
+    def start(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, prefix: str,
+              stream: bool) -> tuple[str, list[Choice], asyncio.Queue]:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        queue: asyncio.Queue = asyncio.Queue()
+        choices = []
+        for i, (text, ids) in enumerate(prompts):
+            for j in range(params.n):
+                c = Choice(i * params.n + j, f"{request_id}-{i}-{j}", ids, text,
+                           IncrementalDetokenizer(self.tokenizer, ids) if stream else None)
+                choices.append(c)
+        try:
+            for c in choices:
+                j = c.index % params.n
+                pj = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+                self.client.add(c.engine_id, c.prompt_ids, pj, c.prompt_text, Sink(queue, c.index, len(c.prompt_ids)))
+        except Exception as exc:
+            self.abort(choices)
+            raise APIError(f"the engine is not available: {exc}", status=503) from None
+        return request_id, choices, queue
+
+    def abort(self, choices: list[Choice]) -> None:
+        self.client.abort([c.engine_id for c in choices if not c.finished])
+
+    async def events(self, choices: list[Choice], queue: asyncio.Queue) -> AsyncIterator[tuple[Choice, dict]]:
+        """(choice, item) per engine output until every choice has finished; raises APIError on an error."""
+        remaining = len(choices)
+        while remaining:
+            index, item = await queue.get()
+            c = choices[index]
+            if "error" in item:
+                c.finished = True
+                raise APIError(item["error"], status=item.get("status", 400))
+            c.token_ids.extend(item["t"])
+            if item["lp"] is not None:
+                c.logprobs.extend(item["lp"])
+            if "finish" in item:
+                c.finished, c.text = True, item["text"]
+                c.finish_reason, c.stop_reason = item["finish"], item["stop"]
+                remaining -= 1
+            yield c, item
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def stream_delta(self, c: Choice, item: dict, params: SamplingParams) -> str:
+        """Text to send for this output: the detokenized delta, minus what a stop string could still remove."""
+        if c.finished:
+            final = c.text
+            delta = final[len(c.sent):] if final.startswith(c.sent) else ""
+            c.sent = final if final.startswith(c.sent) else c.sent
+            return delta
+        c.detok.add(item["t"])
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        ready = c.detok.text[: len(c.detok.text) - hold] if hold else c.detok.text
+        delta = ready[len(c.sent):]
+        c.sent = max(c.sent, ready, key=len)
+        return delta
+
+    @staticmethod
+    def usage(prompts, choices) -> dict:
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    async def collect(self, raw: Request, choices: list[Choice], queue: asyncio.Queue) -> bool:
+        """Wait for every choice to finish; False (after aborting) if the client disconnected first."""
+        async def drain():
+            async for _ in self.events(choices, queue):
+                pass
+
+        task = asyncio.create_task(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()
+                    self.abort(choices)
+                    return False
+            task.result()  # re-raise an engine error
+            return True
+        finally:
+            if not task.done():
+                task.cancel()
+            self.abort(choices)
+
+    def stream(self, gen: AsyncIterator[str], choices: list[Choice]) -> SSEResponse:
+        async def guarded():
+            try:
+                async for chunk in gen:
+                    yield chunk
+            except APIError as exc:
+                yield _sse(exc.body())
+                yield _sse("[DONE]")
+        return SSEResponse(guarded(), on_close=lambda: self.abort(choices))
+
+    # ---- /v1/completions ------------------------------------------------------------------------------
+    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError("prompt is empty: give a string, a list of token ids, or a list of either", param="prompt")
+        out = []
+        for p in items:
+            if isinstance(p, str):
+                out.append((p, self.tokenizer.encode(p) if p else []))
+            else:
+                out.append((None, list(p)))
+        for _, ids in out:
+            self.check_prompt(ids, "prompt")
+        return out
+
+    def _completion_logprobs(self, c: Choice, start: int, offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entries in zip(c.token_ids[start:], c.logprobs[start:]):
+            text = self.token_text(tid)
+            tokens.append(text)
+            token_lps.append(dict(entries).get(tid))
+            tops.append({self.token_text(t): lp for t, lp in sorted(entries, key=lambda e: -e[1])})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def completions(self, body: CompletionRequest, raw: Request):
+        model = self.check_model(body.model)
+        params = body.to_sampling_params()
+        prompts = self._completion_prompts(body.prompt)
+        request_id, choices, queue = self.start(prompts, params, "cmpl", body.stream)
+        created = int(time.time())
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+        want_lp = params.logprobs is not None
+
+        def echo_text(c: Choice) -> str:
+            return c.prompt_text if c.prompt_text is not None else self.tokenizer.decode(c.prompt_ids)
+
+        if body.stream:
+            async def gen():
+                usage_null = {"usage": None} if body.include_usage else {}
+                if body.echo:
+                    for c in choices:
+                        yield _sse({**head, "choices": [{"index": c.index, "text": echo_text(c), "logprobs": None,
+                                                         "finish_reason": None}], **usage_null})
+                text_offsets = {c.index: 0 for c in choices}
+                async for c, item in self.events(choices, queue):
+                    delta = self.stream_delta(c, item, params)
+                    n_new = len(item["t"])
+                    if not delta and not c.finished and not (want_lp and n_new):
+                        continue
+                    lp = None
+                    if want_lp:
+                        lp = self._completion_logprobs(c, len(c.token_ids) - n_new, text_offsets[c.index])
+                        text_offsets[c.index] += sum(len(t) for t in lp["tokens"])
+                    yield _sse({**head, "choices": [{"index": c.index, "text": delta, "logprobs": lp,
+                                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                                **usage_null})
+                if body.include_usage:
+                    yield _sse({**head, "choices": [], "usage": self.usage(prompts, choices)})
+                yield _sse("[DONE]")
+            return self.stream(gen(), choices)
+
+        if not await self.collect(raw, choices, queue):
+            return JSONResponse(error_body("client disconnected", 400), status_code=400)
+        out = []
+        for c in choices:
+            prefix = echo_text(c) if body.echo else ""
+            out.append({"index": c.index, "text": prefix + c.text,
+                        "logprobs": self._completion_logprobs(c, 0, 0) if want_lp else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({**head, "choices": out, "usage": self.usage(prompts, choices)})
+
+    # ---- /v1/chat/completions -------------------------------------------------------------------------
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+        if not body.messages:
+            raise APIError("messages is empty: give at least one message", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - a template that rejects the messages
+            raise APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self.check_prompt(ids, "messages")
+        return text, ids
+
+    def _chat_logprobs(self, c: Choice, start: int, top_n: int) -> dict:
+        content = []
+        for tid, entries in zip(c.token_ids[start:], c.logprobs[start:]):
+            text = self.token_text(tid)
+            top = sorted(entries, key=lambda e: -e[1])[:top_n]
+            content.append({"token": text, "logprob": dict(entries).get(tid), "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": self.token_text(t), "logprob": lp,
+                                              "bytes": list(self.token_text(t).encode())} for t, lp in top]})
+        return {"content": content}
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        model = self.check_model(body.model)
+        params = body.to_sampling_params()
+        prompts = [self._chat_prompt(body)]
+        request_id, choices, queue = self.start(prompts, params, "chatcmpl", body.stream)
+        created = int(time.time())
+        head = {"id": request_id, "object": "chat.completion", "created": created, "model": model}
+        top_n = params.logprobs or 0
+
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+
+            async def gen():
+                usage_null = {"usage": None} if body.include_usage else {}
+                for c in choices:
+                    yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}], **usage_null})
+                async for c, item in self.events(choices, queue):
+                    delta = self.stream_delta(c, item, params)
+                    n_new = len(item["t"])
+                    if not delta and not c.finished and not (body.logprobs and n_new):
+                        continue
+                    lp = self._chat_logprobs(c, len(c.token_ids) - n_new, top_n) if body.logprobs else None
+                    yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": delta} if delta else {},
+                                                     "logprobs": lp, "finish_reason": c.finish_reason,
+                                                     "stop_reason": c.stop_reason}], **usage_null})
+                if body.include_usage:
+                    yield _sse({**head, "choices": [], "usage": self.usage(prompts, choices)})
+                yield _sse("[DONE]")
+            return self.stream(gen(), choices)
+
+        if not await self.collect(raw, choices, queue):
+            return JSONResponse(error_body("client disconnected", 400), status_code=400)
+        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._chat_logprobs(c, 0, top_n) if body.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+        return JSONResponse({**head, "choices": out, "usage": self.usage(prompts, choices)})
