@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,17 +76,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from moe.config import ModelConfig
     from server.config import EngineConfig
 
-    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
-                        ("--pipeline-parallel-size", args.pipeline_parallel_size),
-                        ("--data-parallel-size", args.data_parallel_size)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-        if value > 1:
-            raise ValueError(f"{flag} {value} is not yet supported by `moe serve` (single-process engine for now); "
-                             "use 1")
-    kwargs = dict(model=args.model, **_engine_kwargs(args), eplb_window=args.expert_load_window)
+    eplb = json.loads(args.eplb_config) if args.eplb_config else {}
+    if not isinstance(eplb, dict):
+        raise ValueError("--eplb-config must be a JSON object, e.g. '{\"window\": 1000, \"interval\": 3000}'")
+    unknown = sorted(set(eplb) - {"window", "interval", "layers_per_step", "num_redundant_experts"})
+    if unknown:
+        raise ValueError(f"--eplb-config has unknown field(s) {unknown}; known: window, interval, layers_per_step, "
+                         "num_redundant_experts")
+    kwargs = dict(model=args.model, **_engine_kwargs(args), eplb_window=eplb.get("window", args.expert_load_window),
+                  tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                  data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+                  enable_eplb=args.enable_eplb, eplb_interval=eplb.get("interval", 3000),
+                  eplb_layers_per_step=eplb.get("layers_per_step", 1),
+                  num_redundant_experts=eplb.get("num_redundant_experts", args.num_redundant_experts),
+                  expert_placement=args.expert_placement)
     EngineConfig(**kwargs)  # bad flags fail here, with one line, before any process starts
     ModelConfig.from_dir(args.model)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != EngineConfig(**kwargs).parallel_config().world_size:
+        raise ValueError(f"the layout -pp {args.pipeline_parallel_size} x -dp {args.data_parallel_size} x "
+                         f"-tp {args.tensor_parallel_size} needs that many ranks; launch with "
+                         f"torchrun --nproc-per-node N -m server serve ... (now {world})")
+    if world > 1 and int(os.environ["RANK"]) != 0:
+        from server.engine_loop import run_follower
+
+        _setup_logging(args.verbose)
+        run_follower(kwargs)  # rank 0 runs the front end; its engine process is rank 0 of the job
+        return 0
 
     from server.api import ServerArgs, run_server
 
@@ -129,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-dp", "--data-parallel-size", type=int, default=1)
     s.add_argument("--enable-expert-parallel", action="store_true",
                    help="experts over the TP x DP ranks (EP size 1 with a single rank)")
+    s.add_argument("--enable-eplb", action="store_true", help="rebalance expert placement while serving (needs EP)")
+    s.add_argument("--eplb-config", default=None,
+                   help='JSON: {"window": steps, "interval": steps, "layers_per_step": n, "num_redundant_experts": n}')
+    s.add_argument("--num-redundant-experts", type=int, default=0, help="extra expert slots per MoE layer (needs EP)")
+    s.add_argument("--expert-placement", default=None, help="start from this placement file or load dump (JSON)")
     s.add_argument("--expert-load-window", type=int, default=1000,
                    help="engine steps the expert-load window holds (GET /v1/expert_load, moe_expert_balancedness)")
     _add_engine_flags(s)

@@ -29,6 +29,8 @@ import traceback
 import msgpack
 import zmq
 
+from parallel import comm
+
 HEARTBEAT_S = 0.5
 
 log = logging.getLogger(__name__)
@@ -73,37 +75,96 @@ def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, l
         ctx.term()
 
 
+def run_follower(engine_kwargs: dict) -> None:
+    """Ranks other than 0 under torchrun: the same engine loop, fed by rank 0's broadcasts."""
+    from server.config import EngineConfig
+    from server.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(**engine_kwargs))
+    EngineLoop(engine, engine.expert_load_recorder, None, None).run()
+
+
 class EngineLoop:
-    def __init__(self, engine, recorder, pull: zmq.Socket, push: zmq.Socket):
+    """One rank's engine loop. The leader (global rank 0, or the only rank) talks to the front end;
+    under torchrun every other rank runs the same loop with `pull`/`push` None: each iteration the
+    leader's messages are broadcast to all ranks (an add goes to the DP rank the leader picked), all
+    ranks step together while any has work, and the DP ranks' outputs are gathered to the leader."""
+
+    def __init__(self, engine, recorder, pull: zmq.Socket | None, push: zmq.Socket | None):
         self.engine, self.recorder, self.pull, self.push = engine, recorder, pull, push
         self.sent: dict[str, int] = {}  # request id -> output tokens already sent
         self.last_heartbeat = 0.0
+        self.events: list[dict] = []  # outputs and errors of this iteration, on their way to the leader
+        state = engine.parallel
+        self.cpu, self.dp = state.cpu, state.dp
+        self.leader = state.rank == 0
+        self.reports = state.coords.pp_rank == 0 and state.coords.tp_rank == 0  # one rank per DP group
+        self.next_dp_rank = 0
+        self.has_work = False
 
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.pull, zmq.POLLIN)
+        if self.pull is not None:
+            poller.register(self.pull, zmq.POLLIN)
         parent = multiprocessing.parent_process()
         while True:
-            timeout_ms = 0 if self.engine.has_unfinished_requests() else int(HEARTBEAT_S * 1000)
-            while poller.poll(timeout_ms):  # drain everything queued; block only when idle
-                if not self.handle(unpack(self.pull.recv())):
-                    return
-                timeout_ms = 0
-            if self.engine.has_unfinished_requests():
-                self.step()
-            now = time.monotonic()
-            if now - self.last_heartbeat >= HEARTBEAT_S:
-                self.last_heartbeat = now
-                self.push.send(pack({"type": "heartbeat"}))
+            msgs = []
+            if self.leader:
+                timeout_ms = 0 if self.has_work else int(HEARTBEAT_S * 1000)
+                while poller.poll(timeout_ms):  # drain everything queued; block only when idle
+                    msgs.append(self.route(unpack(self.pull.recv())))
+                    timeout_ms = 0
                 if parent is not None and not parent.is_alive():
                     log.warning("front end is gone; engine loop exits")
+                    msgs.append({"type": "shutdown"})  # every rank stops with it
+            if self.cpu.size > 1:
+                msgs = comm.broadcast_object(msgs, self.cpu, src=0)
+            for msg in msgs:
+                if not self.handle(msg):
                     return
+            self.has_work = self.engine.any_rank_has_work()
+            if self.has_work:
+                self.step()
+            self.flush()
+            if self.leader:
+                now = time.monotonic()
+                if now - self.last_heartbeat >= HEARTBEAT_S:
+                    self.last_heartbeat = now
+                    self.push.send(pack({"type": "heartbeat"}))
+
+    def route(self, msg: dict) -> dict:
+        """Leader: pick the DP rank that takes a new request (round robin)."""
+        if msg.get("type") == "add":
+            msg["dp_rank"] = self.next_dp_rank
+            self.next_dp_rank = (self.next_dp_rank + 1) % self.dp.size
+        return msg
+
+    def flush(self) -> None:
+        """Bring this iteration's outputs and errors to the leader, which sends them to the front end."""
+        events, self.events = self.events, []
+        if self.dp.size > 1 and self.reports:
+            events = [e for share in comm.all_gather_object(events, self.dp) for e in share]
+        if not self.leader:
+            return
+        outputs = [e for e in events if "type" not in e]
+        for e in events:
+            if "type" in e:
+                self.push.send(pack(e))
+        if outputs:
+            self.push.send(pack({"type": "outputs", "outputs": outputs}))
+
+    def reply(self, msg: dict, data=None, error: str | None = None) -> None:
+        if self.leader:
+            body = {"type": "reply", "nonce": msg.get("nonce")}
+            body.update({"error": error} if error is not None else {"data": data})
+            self.push.send(pack(body))
 
     def handle(self, msg: dict) -> bool:
         """Apply one message; False means shut down."""
         kind = msg.get("type")
         if kind == "add":
-            self.add(msg)
+            if msg.get("dp_rank", 0) == self.dp.index:
+                self.add(msg)
         elif kind == "abort":
             for rid in msg.get("request_ids", []):
                 self.engine.abort_request(rid)
@@ -111,9 +172,9 @@ class EngineLoop:
         elif kind in ("stats", "expert_load"):
             try:
                 data = self.stats() if kind == "stats" else self.expert_load(msg.get("op", "window"))
-                self.push.send(pack({"type": "reply", "nonce": msg.get("nonce"), "data": data}))
+                self.reply(msg, data)
             except Exception as exc:  # noqa: BLE001 - the caller gets the message, the loop goes on
-                self.push.send(pack({"type": "reply", "nonce": msg.get("nonce"), "error": str(exc)}))
+                self.reply(msg, error=str(exc))
         elif kind == "shutdown":
             return False
         else:
@@ -129,7 +190,7 @@ class EngineLoop:
             self.engine.add_request(list(msg["prompt_token_ids"]), params, request_id=rid, prompt=msg.get("prompt"))
             self.sent[rid] = 0
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-            self.push.send(pack({"type": "error", "request_id": rid, "message": str(exc)}))
+            self.events.append({"type": "error", "request_id": rid, "message": str(exc)})
 
     def step(self) -> None:
         try:
@@ -139,10 +200,9 @@ class EngineLoop:
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)
                 self.sent.pop(rid, None)
-                self.push.send(pack({"type": "error", "request_id": rid, "message": f"engine step failed: {exc}"}))
+                self.events.append({"type": "error", "request_id": rid, "message": f"engine step failed: {exc}"})
             return
-        batch = []  # (the engine closes the expert-load recorder's step itself)
-        for out in outputs:
+        for out in outputs:  # (the engine closes the expert-load recorder's step itself)
             c, rid = out.outputs[0], out.request_id
             n0 = self.sent.get(rid, 0)
             item = {"id": rid, "t": c.token_ids[n0:],
@@ -153,9 +213,7 @@ class EngineLoop:
                 self.sent.pop(rid, None)
             else:
                 self.sent[rid] = len(c.token_ids)
-            batch.append(item)
-        if batch:
-            self.push.send(pack({"type": "outputs", "outputs": batch}))
+            self.events.append(item)
 
     def stats(self) -> dict:
         data = dict(self.engine.stats())
@@ -170,7 +228,7 @@ class EngineLoop:
     def expert_load(self, op: str) -> dict:
         if self.recorder is None:
             raise ValueError("this model has no MoE layers: there is no expert load to report")
-        if op == "start":
+        if op == "start":  # every rank records; the leader answers
             self.recorder.start_record()
             return {"recording": True}
         if op == "stop":

@@ -80,10 +80,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model_dir: str, *args: str, api_key: str | None = None, timeout_s: float = 180.0):
+def running_server(model_dir: str, *args: str, api_key: str | None = None, timeout_s: float = 180.0, nproc: int = 1):
+    """nproc > 1 launches under torchrun (every rank runs `-m server serve`; rank 0 serves HTTP)."""
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="moe-serve-test-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "server", "serve", model_dir, "--dtype", "float32", "--port", str(port), *args]
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                     "--master-port", str(free_port())]
+    cmd = [*launcher, "-m", "server", "serve", model_dir, "--dtype", "float32", "--port", str(port), *args]
     if api_key:
         cmd += ["--api-key", api_key]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
