@@ -75,7 +75,8 @@ def what_if(load_LE: torch.Tensor, ep_size: int, num_redundant: int, num_nodes: 
     }
     if current_LR is not None:
         report["balancedness_current"] = balancedness(load_LE.double(), current_LR, ep_size).tolist()
-        report["slots_moved"] = moved_slots(current_LR, plan_LR) if current_LR.shape == plan_LR.shape else L * R
+        if current_LR.shape == plan_LR.shape:
+            report["slots_moved"] = moved_slots(current_LR, plan_LR)
     if expert_bytes is not None:
         report["extra_bytes_per_rank"] = num_redundant * L * expert_bytes // ep_size
     return report
@@ -93,6 +94,8 @@ def format_what_if(report: dict) -> str:
     if "slots_moved" in report:
         lines.append(f"slots that would load new weights: {report['slots_moved']} of "
                      f"{report['num_layers'] * report['num_slots']}")
+    elif "balancedness_current" in report:
+        lines.append("slots that would load new weights: all (the number of slots per layer changes)")
     if "extra_bytes_per_rank" in report:
-        lines.append(f"extra memory per EP rank for redundant slots: {report['extra_bytes_per_rank'] / 2**20:.1f} MiB")
+        lines.append(f"extra memory per EP rank for redundant slots: {report['extra_bytes_per_rank'] / 2**20:.3f} MiB")
     return "\n".join(lines)

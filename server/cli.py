@@ -115,6 +115,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from balancer.placement_file import format_what_if, read_load_file, what_if
+
+    dump = read_load_file(args.load)
+    if dump["load"] is None:
+        raise ValueError(f"{args.load} has no logical_counts to plan from")
+    expert_bytes = None
+    if args.model:
+        from moe.config import ModelConfig
+
+        mc = ModelConfig.from_dir(args.model)
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(mc.torch_dtype or "bfloat16", 2)
+        expert_bytes = 3 * mc.hidden_size * mc.moe_intermediate_size * itemsize
+    report = what_if(dump["load"], args.ep, args.redundant, args.nodes, current_LR=dump["phy2log"],
+                     expert_bytes=expert_bytes)
+    print(format_what_if(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"layer_ids": dump["layer_ids"], "num_experts": report["num_experts"],
+                                              "ep_size": args.ep, "logical_counts": dump["load"].tolist(),
+                                              "placement": {"phy2log": report["phy2log"]}}))
+        print(f"placement written to {args.out} (start a server from it with --expert-placement)")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from server.report import main as report_main
 
@@ -169,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replicas to add to the hottest experts in the simulation (default: one per EP rank, "
                         "or an eighth of the experts with EP size 1)")
     r.set_defaults(func=cmd_report)
+    pl = sub.add_parser("plan", help="what-if: predicted balance of re-planning expert placement from a load dump")
+    pl.add_argument("--load", required=True, help="a load dump (GET /v1/expert_load, /dump_expert_distribution_record)")
+    pl.add_argument("--ep", type=int, required=True, help="expert-parallel ranks")
+    pl.add_argument("--redundant", type=int, default=0, help="redundant expert slots per MoE layer")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--model", default=None, help="checkpoint dir, to price the redundant slots' memory")
+    pl.add_argument("--out", default=None, help="write the planned placement here (JSON)")
+    pl.set_defaults(func=cmd_plan)
     m = sub.add_parser("make-checkpoint", help="write a small random DeepSeek-style checkpoint (HF format)")
     m.add_argument("--out", required=True)
     m.add_argument("--preset", default="v3")

@@ -85,3 +85,26 @@ def test_placement_file_round_trip(checkpoint, tmp_path):
 def test_eplb_needs_expert_parallel(checkpoint):
     with pytest.raises(ValueError, match="need enable_expert_parallel"):
         LLM(checkpoint("v3"), dtype="float32", num_redundant_experts=4)
+
+
+def test_moe_plan_what_if(tmp_path):
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    load = (torch.distributions.Pareto(1.0, 1.2).sample((3, 12)) * 100).round().tolist()
+    dump = tmp_path / "dump.json"
+    dump.write_text(json.dumps({"layer_ids": [1, 2, 3], "num_experts": 12, "logical_counts": load,
+                                "placement": {"phy2log": [list(range(12))] * 3}}))
+    out = tmp_path / "plan.json"
+    run = subprocess.run([sys.executable, "-m", "server", "plan", "--load", str(dump), "--ep", "4", "--redundant", "4",
+                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    mean_line = [line for line in run.stdout.splitlines() if line.strip().startswith("mean")][0]
+    no_repl, planned = map(float, mean_line.split()[1:3])
+    assert planned > no_repl and planned > 0.95
+    plan = json.loads(out.read_text())["placement"]["phy2log"]
+    assert len(plan) == 3 and all(len(row) == 16 and set(row) == set(range(12)) for row in plan)
+    bad = subprocess.run([sys.executable, "-m", "server", "plan", "--load", str(dump), "--ep", "5"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "expert parallel size 5 must divide 12 experts" in bad.stderr
