@@ -75,3 +75,32 @@ def spawn_ranks(
             p.kill()
             p.join()
     return [p.exitcode for p in procs]
+
+
+def kill_job(master_port: int, grace_s: float = 10.0) -> None:
+    """End every local process of a torchrun job (found by its MASTER_PORT): SIGTERM, then SIGKILL.
+    torchrun starts its workers in their own sessions, so killing the launcher's group can orphan them."""
+    import signal
+
+    def members() -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                env = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if f"MASTER_PORT={master_port}".encode() in env:
+                pids.append(int(entry))
+        return pids
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        for pid in members():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while members() and time.monotonic() < deadline:
+            time.sleep(0.2)

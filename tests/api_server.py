@@ -85,9 +85,10 @@ def running_server(model_dir: str, *args: str, api_key: str | None = None, timeo
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="moe-serve-test-", suffix=".log")[1])
     launcher = [sys.executable]
+    master_port = free_port()
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                     "--master-port", str(free_port())]
+                     "--master-port", str(master_port)]
     cmd = [*launcher, "-m", "server", "serve", model_dir, "--dtype", "float32", "--port", str(port), *args]
     if api_key:
         cmd += ["--api-key", api_key]
@@ -110,6 +111,10 @@ def running_server(model_dir: str, *args: str, api_key: str | None = None, timeo
             time.sleep(0.2)
         yield server
     finally:
+        if nproc > 1:
+            from parallel.launch import kill_job
+
+            kill_job(master_port)  # torchrun's workers live in sessions of their own
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
