@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's CPU interpreter. This must precede the first import of triton
+    # anywhere in the session (transformers and torch may import it), so it is set here, not per module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
