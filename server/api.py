@@ -44,6 +44,7 @@ class ServerArgs:
     api_key: str | None = None
     heartbeat_timeout_s: float = 30.0
     log_level: int = logging.WARNING
+    max_waiting_requests: int = 256  # engine requests in flight beyond max_num_seqs x DP ranks; then 503
 
 
 def _version() -> str:
@@ -91,7 +92,10 @@ def build_app(args: ServerArgs) -> FastAPI:
             await client.close()
             raise
         state["client"] = client
-        state["serving"] = OpenAIServing(client, tokenizer, names, info["max_model_len"], info["vocab_size"])
+        kw = args.engine_kwargs
+        max_in_flight = kw.get("max_num_seqs", 64) * kw.get("data_parallel_size", 1) + args.max_waiting_requests
+        state["serving"] = OpenAIServing(client, tokenizer, names, info["max_model_len"], info["vocab_size"],
+                                         max_in_flight)
         warmup = asyncio.create_task(_warm_up(client, tokenizer, state))
         try:
             yield
@@ -115,7 +119,7 @@ def build_app(args: ServerArgs) -> FastAPI:
     # ---- errors -----------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

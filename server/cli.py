@@ -109,8 +109,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     level = logging.INFO if args.verbose else logging.WARNING
     print(f"moe serve: {args.model} on http://{args.host}:{args.port} (GET /ready answers 200 once warmed up)",
           file=sys.stderr, flush=True)
+    if args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     run_server(ServerArgs(engine_kwargs=kwargs, served_model_names=args.served_model_name or [],
-                          api_key=args.api_key, log_level=level),
+                          api_key=args.api_key, log_level=level, max_waiting_requests=args.max_waiting_requests),
                args.host, args.port)
     return 0
 
@@ -166,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API accepts and reports (default: the MODEL argument)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    s.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="engine requests admitted beyond those that run at once (max-num-seqs x DP ranks); "
+                        "past it new requests get 503 with Retry-After")
     s.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     s.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     s.add_argument("-dp", "--data-parallel-size", type=int, default=1)

@@ -139,22 +139,38 @@ class LLMEngine:
         return outputs
 
     def _update(self, sched: SchedulerOutput, sampled: dict[str, SampleResult]) -> list[RequestOutput]:
-        self.scheduler.update_from_output(sched, {rid: r.token_id for rid, r in sampled.items()})
+        """Record the new tokens and apply stop conditions. A request whose sampling or bookkeeping
+        raises fails alone (finished as aborted, its output carries the `error`); the others go on."""
+        self.scheduler.update_from_output(sched, {rid: r.token_id for rid, r in sampled.items() if r.error is None})
         outputs = []
         for rid, result in sampled.items():
             req = self.requests[rid]
-            self.num_generated_tokens += 1
-            if req.sampling_params.logprobs is not None:
-                top = dict(result.top_logprobs or {})
-                top[result.token_id] = result.logprob
-                req.output_logprobs.append(top)
-            req.cumulative_logprob = getattr(req, "cumulative_logprob", 0.0) + result.logprob
-            status = self._check_stop(req, result.token_id)
-            if status is not None:
-                self.scheduler.finish_request(req, status)
-                del self.requests[rid]
-            outputs.append(self._make_output(req, finished=status is not None))
+            try:
+                if result.error is not None:
+                    raise RuntimeError(result.error)
+                status = self._record(req, result)
+                if status is not None:
+                    self.scheduler.finish_request(req, status)
+                    del self.requests[rid]
+                outputs.append(self._make_output(req, finished=status is not None))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                log.error("request %s failed: %s", rid, exc)
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)  # (no-op if it had finished)
+                self.requests.pop(rid, None)
+                out = self._make_output(req, finished=True, text="")
+                out.error = str(exc) if result.error is not None else f"{type(exc).__name__}: {exc}"
+                outputs.append(out)
         return outputs
+
+    def _record(self, req: Request, result: SampleResult) -> RequestStatus | None:
+        """Count one sampled token (already appended), keep its logprobs; the finished status or None."""
+        self.num_generated_tokens += 1
+        if req.sampling_params.logprobs is not None:
+            top = dict(result.top_logprobs or {})
+            top[result.token_id] = result.logprob
+            req.output_logprobs.append(top)
+        req.cumulative_logprob = getattr(req, "cumulative_logprob", 0.0) + result.logprob
+        return self._check_stop(req, result.token_id)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         p = req.sampling_params
@@ -179,16 +195,15 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, req: Request, finished: bool) -> RequestOutput:
+    def _make_output(self, req: Request, finished: bool, text: str | None = None) -> RequestOutput:
         """Cumulative output of a request; its text is decoded only once it has finished."""
         p = req.sampling_params
         token_ids = list(req.output_token_ids)
-        if not finished:
+        if text is None and not finished:
             text = ""
-        elif isinstance(req.stop_reason, str):
-            text = req.text
-        else:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        elif text is None:
+            text = req.text if isinstance(req.stop_reason, str) else self.tokenizer.decode(token_ids,
+                                                                                          skip_special_tokens=True)
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids,
             cumulative_logprob=getattr(req, "cumulative_logprob", None) if p.logprobs is not None else None,

@@ -177,7 +177,8 @@ class EngineClient:
             elif kind == "error":
                 sink = self.sinks.pop(msg["request_id"], None)
                 if sink is not None:
-                    sink.queue.put_nowait((sink.index, {"id": msg["request_id"], "error": msg["message"]}))
+                    sink.queue.put_nowait((sink.index, {"id": msg["request_id"], "error": msg["message"],
+                                                        "status": msg.get("status", 400)}))
             elif kind == "reply":
                 fut = self.pending.get(msg["nonce"])
                 if fut is not None and not fut.done():

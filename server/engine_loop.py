@@ -11,7 +11,8 @@ Engine -> front end (PUSH -> PULL):
     startup_error {message}
     outputs      {outputs: [{id, t: new token ids, lp: new logprobs [[[id, logprob], ...] per token] | None,
                              and when finished: finish, stop, text, prompt_len, cached}]}
-    error        {request_id, message}          (that request only; the loop goes on)
+    error        {request_id, message, status}  (that request only; the loop goes on): status 400 for a
+                                                request the engine rejected, 500 for one that failed while running
     reply        {nonce, data}
     heartbeat    {}                             (every HEARTBEAT_S, busy or idle)
 
@@ -190,7 +191,7 @@ class EngineLoop:
             self.engine.add_request(list(msg["prompt_token_ids"]), params, request_id=rid, prompt=msg.get("prompt"))
             self.sent[rid] = 0
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-            self.events.append({"type": "error", "request_id": rid, "message": str(exc)})
+            self.events.append({"type": "error", "request_id": rid, "message": str(exc), "status": 400})
 
     def step(self) -> None:
         try:
@@ -200,10 +201,15 @@ class EngineLoop:
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)
                 self.sent.pop(rid, None)
-                self.events.append({"type": "error", "request_id": rid, "message": f"engine step failed: {exc}"})
+                self.events.append({"type": "error", "request_id": rid, "message": f"engine step failed: {exc}",
+                                    "status": 500})
             return
         for out in outputs:  # (the engine closes the expert-load recorder's step itself)
             c, rid = out.outputs[0], out.request_id
+            if out.error is not None:  # this request failed alone
+                self.sent.pop(rid, None)
+                self.events.append({"type": "error", "request_id": rid, "message": out.error, "status": 500})
+                continue
             n0 = self.sent.get(rid, 0)
             item = {"id": rid, "t": c.token_ids[n0:],
                     "lp": None if c.logprobs is None else [list(d.items()) for d in c.logprobs[n0:]]}

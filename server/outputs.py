@@ -24,3 +24,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    error: str | None = None  # the engine failed this request alone (finish_reason "abort"); others went on

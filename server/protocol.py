@@ -22,9 +22,9 @@ class APIError(Exception):
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
+        self.message, self.status, self.param, self.headers = message, status, param, headers
 
     def body(self) -> dict:
         return error_body(self.message, self.status, self.param)

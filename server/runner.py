@@ -113,8 +113,9 @@ class ModelRunner:
         for wait in pending_sends:
             wait()
         if pp.size > 1:
-            wire = {rid: [r.token_id, r.logprob, r.top_logprobs] for rid, r in results.items()} if last else None
+            wire = ({rid: [r.token_id, r.logprob, r.top_logprobs, r.error] for rid, r in results.items()}
+                    if last else None)
             wire = comm.broadcast_object(wire, pp, src=pp.size - 1)
-            results = {rid: SampleResult(t, lp, {int(k): v for k, v in top.items()} if top else top)
-                       for rid, (t, lp, top) in wire.items()}
+            results = {rid: SampleResult(t, lp, {int(k): v for k, v in top.items()} if top else top, err)
+                       for rid, (t, lp, top, err) in wire.items()}
         return results

@@ -3,6 +3,7 @@
 Greedy rows take the argmax; others apply temperature, top-k and top-p, then draw with the request's
 own generator when it set a seed (reproducible whatever else is in the batch), else with the engine's.
 Logprobs are those of the model's raw distribution (log-softmax of the logits), as in vLLM.
+A row whose sampling raises fails alone: its result carries the `error` (token_id -1) and the others go on.
 Legend: B = rows to sample, V = vocabulary.
 """
 
@@ -20,6 +21,7 @@ class SampleResult:
     token_id: int
     logprob: float
     top_logprobs: dict[int, float] | None  # the `logprobs` most likely tokens, when asked for
+    error: str | None = None  # this row's sampling failed (token_id is then -1); the engine fails the request
 
 
 def _filter_top_k_top_p(logits_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -34,30 +36,35 @@ def _filter_top_k_top_p(logits_V: torch.Tensor, top_k: int, top_p: float) -> tor
     return logits_V
 
 
+def _choose(row_V: torch.Tensor, req: Request, generator: torch.Generator | None) -> int:
+    """One row's next token (greedy, or temperature / top-k / top-p then a draw)."""
+    p = req.sampling_params
+    if req.num_output_tokens < p.min_tokens:  # EOS and stop ids are not allowed yet
+        banned = [t for t in ([] if req.eos_token_id is None else [req.eos_token_id]) + list(p.stop_token_ids or [])
+                  if t < row_V.numel()]
+        if banned:
+            row_V = row_V.clone()
+            row_V[banned] = float("-inf")
+    if p.greedy:
+        return int(row_V.argmax())
+    row_V = _filter_top_k_top_p(row_V / p.temperature, p.top_k, p.top_p)
+    gen = getattr(req, "generator", None) or generator
+    return int(torch.multinomial(row_V.softmax(-1), 1, generator=gen))
+
+
 def sample(logits_BV: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None) -> list[SampleResult]:
     logits_BV = logits_BV.float()
     logprobs_BV = logits_BV.log_softmax(dim=-1)
-    chosen: list[int] = []
-    for i, req in enumerate(requests):
-        p = req.sampling_params
-        row_V = logits_BV[i]
-        if req.num_output_tokens < p.min_tokens:  # EOS and stop ids are not allowed yet
-            banned = ([] if req.eos_token_id is None else [req.eos_token_id]) + list(p.stop_token_ids or [])
-            if banned:
-                row_V = row_V.clone()
-                row_V[banned] = float("-inf")
-        if p.greedy:
-            chosen.append(int(row_V.argmax()))
-            continue
-        row_V = _filter_top_k_top_p(row_V / p.temperature, p.top_k, p.top_p)
-        gen = getattr(req, "generator", None) or generator
-        chosen.append(int(torch.multinomial(row_V.softmax(-1), 1, generator=gen)))
     results = []
-    for i, (req, token) in enumerate(zip(requests, chosen)):
-        n_top = req.sampling_params.logprobs
-        top = None
-        if n_top:
-            values, ids = logprobs_BV[i].topk(n_top)
-            top = dict(zip(ids.tolist(), values.tolist()))
-        results.append(SampleResult(token, float(logprobs_BV[i, token]), top))
+    for i, req in enumerate(requests):
+        try:
+            token = _choose(logits_BV[i], req, generator)
+            n_top = req.sampling_params.logprobs
+            top = None
+            if n_top:
+                values, ids = logprobs_BV[i].topk(n_top)
+                top = dict(zip(ids.tolist(), values.tolist()))
+            results.append(SampleResult(token, float(logprobs_BV[i, token]), top))
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            results.append(SampleResult(-1, 0.0, None, error=f"sampling failed: {type(exc).__name__}: {exc}"))
     return results

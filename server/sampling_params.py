@@ -23,6 +23,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_GREEDY_EPS = 1e-5
+
+
 @dataclass
 class SamplingParams:
     n: int = 1                               # completions per prompt
@@ -39,6 +42,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("n", "max_tokens", "top_k", "min_tokens", "seed"):
+            value = getattr(self, name)
+            if _is_int(value) and not -2**63 <= value < 2**63:
+                raise ValueError(f"{name} must fit in a signed 64-bit integer, got {value}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -69,11 +76,12 @@ class SamplingParams:
 
         stop_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         for t in stop_ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+            if not _is_int(t) or not 0 <= t < 2**63:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r} (below 2**63)")
         self.stop_token_ids = stop_ids
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax: temperature 0, or only the top token is kept."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax: temperature 0 (below 1e-5, as vLLM: dividing by it would
+        overflow), or only the top token is kept."""
+        return self.temperature < _GREEDY_EPS or self.top_k == 1

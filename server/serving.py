@@ -62,9 +62,12 @@ def _sse(obj: dict | str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, tokenizer, served_names: list[str], max_model_len: int, vocab_size: int):
+    RETRY_AFTER_S = 1
+
+    def __init__(self, client: EngineClient, tokenizer, served_names: list[str], max_model_len: int, vocab_size: int,
+                 max_in_flight: int = 1 << 30):
         self.client, self.tokenizer, self.served_names = client, tokenizer, served_names
-        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.max_model_len, self.vocab_size, self.max_in_flight = max_model_len, vocab_size, max_in_flight
         self._token_text: dict[int, str] = {}
 
     # ---- shared steps ---------------------------------------------------------------------------------
@@ -83,8 +86,30 @@ class OpenAIServing:
             raise APIError(f"prompt has {len(ids)} tokens; the maximum is {self.max_model_len - 1} (max_model_len "
                            f"{self.max_model_len} leaves room for at least one generated token)", param=param)
 
+    def check_fits(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, param: str) -> None:
+        """400 for a prompt whose length plus max_tokens cannot fit in max_model_len."""
+        if params.max_tokens is None:
+            return
+        longest = max(len(ids) for _, ids in prompts)
+        if longest + params.max_tokens > self.max_model_len:
+            raise APIError(f"prompt has {longest} tokens and max_tokens is {params.max_tokens}: together "
+                           f"{longest + params.max_tokens}, more than max_model_len {self.max_model_len}; lower "
+                           f"{param} to at most {self.max_model_len - longest}", param=param)
+
+    def admit(self, num_requests: int) -> None:
+        """503 + Retry-After when `num_requests` more engine requests would exceed the bound."""
+        if num_requests > self.max_in_flight:
+            raise APIError(f"this call needs {num_requests} engine requests (prompts x n); the server admits at "
+                           f"most {self.max_in_flight} at a time", param="n")
+        in_flight = len(self.client.sinks)
+        if in_flight + num_requests > self.max_in_flight:
+            raise APIError(f"the server is overloaded ({in_flight} requests in flight, at most {self.max_in_flight}); "
+                           f"retry after {self.RETRY_AFTER_S} s", status=503,
+                           headers={"Retry-After": str(self.RETRY_AFTER_S)})
+
     def start(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, prefix: str,
               stream: bool) -> tuple[str, list[Choice], asyncio.Queue]:
+        self.admit(len(prompts) * params.n)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
         choices = []
@@ -217,6 +242,7 @@ class OpenAIServing:
         model = self.check_model(body.model)
         params = body.to_sampling_params()
         prompts = self._completion_prompts(body.prompt)
+        self.check_fits(prompts, params, "max_tokens")
         request_id, choices, queue = self.start(prompts, params, "cmpl", body.stream)
         created = int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
@@ -288,6 +314,8 @@ class OpenAIServing:
         model = self.check_model(body.model)
         params = body.to_sampling_params()
         prompts = [self._chat_prompt(body)]
+        self.check_fits(prompts, params, "max_completion_tokens" if body.max_completion_tokens is not None
+                        else "max_tokens")
         request_id, choices, queue = self.start(prompts, params, "chatcmpl", body.stream)
         created = int(time.time())
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": model}

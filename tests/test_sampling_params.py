@@ -37,6 +37,9 @@ def test_greedy():
     ({"stop": ["ok", ""]}, "stop strings must be non-empty strings, got ''"),
     ({"stop_token_ids": [-5]}, "stop_token_ids must be non-negative integers, got -5"),
     ({"seed": 1.5}, "seed must be an integer or None, got 1.5"),
+    ({"seed": 2**64}, "seed must fit in a signed 64-bit integer"),
+    ({"top_k": -2**70}, "top_k must fit in a signed 64-bit integer"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids must be non-negative integers"),
 ])
 def test_validation_messages(kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -66,3 +69,8 @@ def test_status_helpers():
     assert RequestStatus.RUNNING.finish_reason is None
     assert RequestStatus.is_finished(RequestStatus.FINISHED_LENGTH)
     assert not RequestStatus.is_finished(RequestStatus.PREEMPTED)
+
+
+def test_tiny_temperature_is_greedy():
+    """Dividing logits by a temperature below 1e-5 would overflow to inf (then NaN probabilities)."""
+    assert SamplingParams(temperature=1e-300).greedy and SamplingParams(temperature=1e-5).greedy is False

@@ -1,0 +1,118 @@
+"""Security properties as tests: nothing a client or a peer rank sends is unpickled or evaluated; the
+engine's ZMQ sockets live in a private (0700) directory; the API key is compared in constant time; the
+server binds to 127.0.0.1 unless --host says otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import stat
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("server", "parallel", "balancer", "experts", "moe", "kernels")
+# deserialisers and evaluators that can run code from bytes; torch.distributed's *_object_list use pickle
+UNSAFE = re.compile(r"\bpickle\b|\bcPickle\b|\bdill\b|\bmarshal\.loads|\bshelve\b|(?<![\w.])eval\(|(?<![\w.])exec\("
+                    r"|\btorch\.load\(|\byaml\.load\(|\b(broadcast|all_gather|gather|scatter)_object_list\b"
+                    r"|\b(send|recv)_object_list\b|\brecv_pyobj\b|\bsend_pyobj\b")
+
+
+def _code_lines(path: Path):
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        code = line.split("#", 1)[0]
+        yield i, code
+
+
+def test_no_pickle_or_eval_in_the_packages():
+    hits = []
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            in_doc = False
+            for i, code in _code_lines(path):
+                if code.count('"""') % 2:  # docstrings may name pickle to say it is not used
+                    in_doc = not in_doc
+                    continue
+                if not in_doc and UNSAFE.search(code):
+                    hits.append(f"{path.relative_to(REPO)}:{i}: {code.strip()}")
+    assert not hits, "unsafe deserialisation or eval:\n" + "\n".join(hits)
+
+
+def test_wire_formats_are_msgpack():
+    from parallel import comm
+    from server import engine_loop
+
+    msg = {"type": "add", "request_id": "x", "prompt_token_ids": [1, 2], "params": {"n": 1}}
+    assert engine_loop.unpack(engine_loop.pack(msg)) == msg
+    assert "msgpack" in Path(comm.__file__).read_text() and "msgpack" in Path(engine_loop.__file__).read_text()
+
+
+def test_zmq_sockets_in_a_private_directory(monkeypatch):
+    from server import engine_client
+    from server.metrics import Metrics
+
+    class NoProcess:
+        def __init__(self, *a, **kw):
+            self.args = kw["args"]
+
+        def start(self):
+            pass
+
+    class Ctx:
+        Process = NoProcess
+
+    monkeypatch.setattr(engine_client.multiprocessing, "get_context", lambda kind: Ctx)
+    client = engine_client.EngineClient({"model": "unused"}, Metrics())
+    client.spawn()
+    try:
+        mode = Path(client.ipc_dir).stat()
+        assert stat.S_IMODE(mode.st_mode) == 0o700
+        _, input_addr, output_addr, _ = client.process.args
+        for addr in (input_addr, output_addr):
+            assert addr.startswith("ipc://") and Path(addr.removeprefix("ipc://")).parent == Path(client.ipc_dir)
+    finally:
+        client.input.close(linger=0)
+        client.output.close(linger=0)
+        client.ctx.term()
+        import shutil
+
+        shutil.rmtree(client.ipc_dir, ignore_errors=True)
+
+
+def test_api_key_compared_in_constant_time(monkeypatch):
+    from server import api
+
+    calls = []
+    real = api.hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(api.hmac, "compare_digest", spy)
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    mw = api.APIKeyMiddleware(app, api_key="s3cret")
+    for auth, path in [(b"Bearer s3cret", "/v1/completions"), (b"Bearer wrong", "/v1/models"), (None, "/v1/models")]:
+        headers = [(b"authorization", auth)] if auth else []
+        asyncio.run(mw({"type": "http", "method": "POST", "path": path, "headers": headers}, receive, send))
+    assert reached == ["/v1/completions"]
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [401, 401]
+    assert calls == [(b"Bearer s3cret", b"Bearer s3cret"), (b"Bearer wrong", b"Bearer s3cret"), (b"", b"Bearer s3cret")]
+    assert "compare_digest" in Path(api.__file__).read_text() and "auth ==" not in Path(api.__file__).read_text()
+
+
+def test_default_bind_is_loopback():
+    from server.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "some/model"])
+    assert args.host == "127.0.0.1"
+    assert build_parser().parse_args(["serve", "m", "--host", "0.0.0.0"]).host == "0.0.0.0"
