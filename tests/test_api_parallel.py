@@ -68,3 +68,58 @@ def test_parallel_server_matches_offline_and_reports_a_lost_rank(checkpoint):
                 pass
             time.sleep(0.2)
         assert server.proc.wait(30) != 0
+
+
+def test_lost_rank_turns_health_503(checkpoint, tmp_path):
+    """Two one-rank "nodes" (dp=2 + EP): node 0 runs the front end, node 1 a follower. SIGKILL the
+    follower: no launcher tells node 0, so its engine's watchdog must end the engine (naming rank 1) and
+    /health must answer 503 within seconds while the front end stays up."""
+    import subprocess
+    import sys
+
+    from api_server import Server, free_port
+
+    ckpt = checkpoint("v3")
+    port, rdzv = free_port(), free_port()
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def node(rank: int, log):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
+               "-m", "server", "serve", ckpt, "--dtype", "float32", "--port", str(port), "-dp", "2",
+               "--enable-expert-parallel"]
+        return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    nodes = [node(0, log0), node(1, log1)]
+    server = Server(f"http://127.0.0.1:{port}", nodes[0], log0)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if server.get("/ready", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert server.get("/health")[0] == 200, log0.read_text()[-3000:]
+        rank1 = [pid for pid in _processes_of(ckpt) if "RANK=1" in _environ(pid)]
+        assert rank1, "rank 1 not found"
+        t0 = time.monotonic()
+        os.kill(rank1[0], signal.SIGKILL)
+        while server.get("/health")[0] == 200 and time.monotonic() - t0 < 60:
+            time.sleep(0.5)
+        assert server.get("/health")[0] == 503
+        assert time.monotonic() - t0 < 60
+    finally:
+        for p in nodes:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in _processes_of(ckpt):  # the torchrun workers live in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert "lost rank(s): 1" in log0.read_text()
