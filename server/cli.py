@@ -1,4 +1,4 @@
-"""`moe` command line: `moe generate`, `moe serve`, `moe report`, `moe make-checkpoint` (and `python -m server ...`)."""
+"""`moe` command line: `moe generate`, `moe serve`, `moe report`, `moe plan`, `moe make-checkpoint`, `moe bench serve` (and `python -m server ...`)."""
 
 from __future__ import annotations
 
@@ -206,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default=None, help="checkpoint dir, to price the redundant slots' memory")
     pl.add_argument("--out", default=None, help="write the planned placement here (JSON)")
     pl.set_defaults(func=cmd_plan)
+    bench_p = sub.add_parser("bench", help="benchmarks; `moe bench serve`: goodput, TTFT and TPOT against a server")
+    bench_sub = bench_p.add_subparsers(dest="bench_command", required=True)
+    from server import bench  # stdlib-only at import
+
+    bs = bench_sub.add_parser("serve", help="open-loop Poisson replay against an OpenAI-compatible server on this host",
+                              description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(bs)
+    bs.set_defaults(func=bench.run_cli)
     m = sub.add_parser("make-checkpoint", help="write a small random DeepSeek-style checkpoint (HF format)")
     m.add_argument("--out", required=True)
     m.add_argument("--preset", default="v3")

