@@ -6,13 +6,15 @@ transformers `generate` floor. Not a test. Bounded: every server start, rate and
 
 Steps: (1) the benchmark checkpoint (`moe.tiny` preset "bench", bf16, DeepSeek-V3 shape with the real MLA
 sizes) in .cache/bench; (2) vLLM CPU in its own venv (.cache/vllm-venv, installed if missing, never in the
-project's venv); (3) one request set (JSONL, saved in --out); (4) each engine in turn: start it, time
-process start -> ready (`/ready` ours, `/health` vLLM's), run `server.bench` at every rate, stop it;
-(5) transformers `generate` on the same requests, offline and batched; (6) results.json, summary.md and
-peer.png (goodput and latency percentiles against rate).
+project's venv); (3) one request set (JSONL, saved in --out); (4) start every server one after the other,
+timing process start -> ready (`/ready` ours, `/health` vLLM's); (5) run `server.bench` at each rate on each
+engine in turn, alternating the order (ABBA) over rates and `--repeats`, after waiting (bounded) for the
+machine to be quiet; keep per rate the repeat with the best goodput; stop the servers; (6) transformers
+`generate` on the same requests, offline and batched; (7) results.json (every run and request),
+summary.md, peer.png (goodput and latency percentiles against rate) and each server's log, in --out.
 
 Engine settings default to the best found for a 2-core machine (docs/benchmarks.md says how they were
-found); `--moe-args`, `--moe-env`, `--vllm-args`, `--vllm-env` change them.
+found); `--moe-args`, `--moe-env`, `--vllm-args`, `--vllm-env`, `--vllm-auto-env` change them.
 """
 
 from __future__ import annotations

@@ -443,7 +443,7 @@ def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest] | None 
                              request_timeout_s=args.request_timeout_s, headers=headers, progress=False))
     rows = []
     for rate in args.request_rates:
-        load_before = os.getloadavg()[0]  # the machine may be shared: record how busy it was
+        load_before = os.getloadavg()[0]  # shared machine: how busy it was (the server under test included)
         results, duration = asyncio.run(run_rate(
             url, model, requests, rate, seed=args.seed, burstiness=args.burstiness,
             max_seconds=args.max_seconds_per_rate, request_timeout_s=args.request_timeout_s, headers=headers,
