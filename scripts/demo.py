@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
+
 import subprocess
 import sys
 import time
@@ -16,13 +16,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / ".cache" / "tiny-v3"
 PROMPTS = ["The expert router sends each token to", "Once upon a time", "Mixture-of-experts models are fast because"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
@@ -38,10 +31,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None
         time.sleep(0.5)
     raise SystemExit("the server did not become ready in time")
 
-
 def main() -> None:
     sys.path.insert(0, str(REPO))
     from moe.tiny import ensure_checkpoint
+    from parallel.launch import free_port
 
     ensure_checkpoint(MODEL, "v3")
     port, master_port = free_port(), free_port()
@@ -81,7 +74,6 @@ def main() -> None:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
-
 
 if __name__ == "__main__":
     main()

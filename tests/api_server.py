@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
+
 import subprocess
 import sys
 import tempfile
@@ -21,8 +21,9 @@ try:
 except ImportError:  # newer openai releases ship the client as httpx2
     import httpx2 as httpx  # noqa: F401 - re-exported for the tests
 
-REPO = Path(__file__).resolve().parents[1]
+from parallel.launch import free_port  # noqa: E402  (re-exported for the tests)
 
+REPO = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Server:
@@ -71,13 +72,6 @@ class Server:
             if "spawn_main" in cmd:
                 pids.append(pid)
         return pids
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @contextmanager
 def running_server(model_dir: str, *args: str, api_key: str | None = None, timeout_s: float = 180.0, nproc: int = 1):
