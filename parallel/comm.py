@@ -7,6 +7,9 @@ Control messages travel as msgpack bytes in uint8 tensors: nothing is pickled ac
 
 from __future__ import annotations
 
+import collections
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -15,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn)
@@ -52,7 +57,39 @@ class Group:
         return self.ranks.index(self.rank)
 
 
-def _guarded(op: str, group: Group, fn: Callable[[], Any]) -> Any:
+# ---- tensors the backend may still hold -----------------------------------------------------------
+# gloo runs collectives on its own worker threads, and a worker drops its hold on an op's tensors just
+# after `wait()` has returned here. If Python has already let go of such a tensor, the worker must take the
+# GIL to free it; during interpreter shutdown that kills the thread inside a destructor ("terminate called
+# without an active exception", SIGABRT: a failed job after correct results). So the last few CPU tensors
+# handed to each group's backend stay referenced here, and `drain()`, run before the interpreter finalises
+# (parallel.state registers it at exit), waits until the backend holds none of them. Only a worker's latest
+# ops can be unreleased, so a short queue per group suffices; CUDA tensors (NCCL) are not held.
+_HELD_PER_GROUP = 16
+_held: dict[str, collections.deque[torch.Tensor]] = {}
+
+
+def _hold(group: Group, *tensors: torch.Tensor) -> None:
+    if group.device.type == "cpu":
+        _held.setdefault(group.name, collections.deque(maxlen=_HELD_PER_GROUP)).extend(tensors)
+
+
+def drain(timeout_s: float = 5.0) -> bool:
+    """Wait (sleeping, so backend threads can run) until no backend thread holds a tensor given to it
+    through this module, then let go of them. False if some were still held after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    held = [t for q in _held.values() for t in q]
+    while any(t._use_count() > 1 for t in held):
+        if time.monotonic() >= deadline:
+            log.warning("the collective backend still holds tensors %.0f s after the last op", timeout_s)
+            return False
+        time.sleep(0.005)
+    _held.clear()
+    return True
+
+
+def _guarded(op: str, group: Group, fn: Callable[[], Any], *tensors: torch.Tensor) -> Any:
+    _hold(group, *tensors)
     if group.watchdog is None:
         return fn()
     with group.watchdog.watch(f"{op}({group.name})", group.ranks):
@@ -62,13 +99,13 @@ def _guarded(op: str, group: Group, fn: Callable[[], Any]) -> Any:
 def barrier(group: Group) -> None:
     if group.size > 1:
         one = torch.ones(1, device=group.device)
-        _guarded("barrier", group, lambda: dist.all_reduce(one, group=group.pg))
+        _guarded("barrier", group, lambda: dist.all_reduce(one, group=group.pg), one)
 
 
 def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """In place; returns x."""
     if group.size > 1:
-        _guarded("all_reduce", group, lambda: dist.all_reduce(x, op=op, group=group.pg))
+        _guarded("all_reduce", group, lambda: dist.all_reduce(x, op=op, group=group.pg), x)
     return x
 
 
@@ -76,8 +113,8 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's x (same shape everywhere) along `dim`, in group order (TP outputs, logits)."""
     if group.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(group.size)]
-    _guarded("all_gather", group, lambda: dist.all_gather(parts, x.contiguous(), group=group.pg))
+    parts, x = [torch.empty_like(x) for _ in range(group.size)], x.contiguous()
+    _guarded("all_gather", group, lambda: dist.all_gather(parts, x, group=group.pg), x, *parts)
     return torch.cat(parts, dim=dim)
 
 
@@ -93,10 +130,10 @@ def all_to_all_uneven(x_NX: torch.Tensor, send_splits: list[int], recv_splits: l
         raise ValueError(f"send_splits {send_splits} sum to {sum(send_splits)}, but x has {x_NX.shape[0]} rows")
     if W == 1:
         return x_NX
-    out = x_NX.new_empty((sum(recv_splits), *x_NX.shape[1:]))
+    out, x_NX = x_NX.new_empty((sum(recv_splits), *x_NX.shape[1:])), x_NX.contiguous()
     _guarded(
         "all_to_all_uneven", group,
-        lambda: dist.all_to_all_single(out, x_NX.contiguous(), recv_splits, send_splits, group=group.pg),
+        lambda: dist.all_to_all_single(out, x_NX, recv_splits, send_splits, group=group.pg), out, x_NX,
     )
     return out
 
@@ -118,10 +155,10 @@ def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
     is_src = group.index == src
     payload = _to_bytes_tensor(obj, group.device) if is_src else None
     n = torch.tensor([payload.numel() if is_src else 0], dtype=torch.int64, device=group.device)
-    _guarded("broadcast_object.size", group, lambda: dist.broadcast(n, group=group.pg, group_src=src))
+    _guarded("broadcast_object.size", group, lambda: dist.broadcast(n, group=group.pg, group_src=src), n)
     if not is_src:
         payload = torch.empty(int(n.item()), dtype=torch.uint8, device=group.device)
-    _guarded("broadcast_object", group, lambda: dist.broadcast(payload, group=group.pg, group_src=src))
+    _guarded("broadcast_object", group, lambda: dist.broadcast(payload, group=group.pg, group_src=src), payload)
     return obj if is_src else _from_bytes_tensor(payload)
 
 
@@ -146,9 +183,10 @@ def send_tensor(x: torch.Tensor, dst: int, group: Group) -> None:
     header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
     header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
     header = header.to(group.device)
-    _guarded("send.header", group, lambda: dist.send(header, group=group.pg, group_dst=dst))
+    _guarded("send.header", group, lambda: dist.send(header, group=group.pg, group_dst=dst), header)
     if x.numel():
-        _guarded("send", group, lambda: dist.send(x.contiguous(), group=group.pg, group_dst=dst))
+        x = x.contiguous()
+        _guarded("send", group, lambda: dist.send(x, group=group.pg, group_dst=dst), x)
 
 
 def isend_tensor(x: torch.Tensor, dst: int, group: Group) -> Callable[[], None]:
@@ -160,6 +198,7 @@ def isend_tensor(x: torch.Tensor, dst: int, group: Group) -> Callable[[], None]:
     header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
     header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
     header, payload = header.to(group.device), x.contiguous()
+    _hold(group, header, payload)
     works = [dist.isend(header, group=group.pg, group_dst=dst)]
     if payload.numel():
         works.append(dist.isend(payload, group=group.pg, group_dst=dst))
@@ -176,9 +215,9 @@ def isend_tensor(x: torch.Tensor, dst: int, group: Group) -> Callable[[], None]:
 def recv_tensor(src: int, group: Group) -> torch.Tensor:
     """Receive what send_tensor sent from group index `src`, on this group's device."""
     header = torch.empty(2 + _MAX_NDIM, dtype=torch.int64, device=group.device)
-    _guarded("recv.header", group, lambda: dist.recv(header, group=group.pg, group_src=src))
+    _guarded("recv.header", group, lambda: dist.recv(header, group=group.pg, group_src=src), header)
     code, ndim, *dims = header.tolist()
     x = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=group.device)
     if x.numel():
-        _guarded("recv", group, lambda: dist.recv(x, group=group.pg, group_src=src))
+        _guarded("recv", group, lambda: dist.recv(x, group=group.pg, group_src=src), x)
     return x

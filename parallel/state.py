@@ -15,6 +15,7 @@ messages. Nothing here touches module globals: `init_parallel` returns a frozen 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -25,6 +26,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from parallel import comm
 from parallel.comm import Group, all_gather_object
 from parallel.config import ParallelConfig
 from parallel.watchdog import Watchdog
@@ -163,6 +165,7 @@ def init_parallel(
     store = dist.TCPStore(host, port, world_size, is_master=(rank == 0 and not agent_store),
                           timeout=timedelta(seconds=max(300.0, config.collective_timeout_s)), multi_tenant=True)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    atexit.register(comm.drain)  # before the interpreter finalises: see parallel/comm.py
     watchdog = Watchdog(rank, host, port, config.collective_timeout_s, heartbeat_interval_s,
                         store_host_rank=None if agent_store else 0, world_size=world_size).start()
 
@@ -210,6 +213,7 @@ def log_rank_table(state: ParallelState) -> None:
 
 
 def shutdown(state: ParallelState) -> None:
+    comm.drain()
     if state.watchdog is not None:
         state.watchdog.stop()
     if dist.is_initialized():
