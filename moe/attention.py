@@ -40,6 +40,27 @@ class AttentionMetadata:
     decode_block_tables_BM: torch.Tensor  # [B, M] block ids, padded with 0
     decode_context_lens_B: torch.Tensor  # [B]
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # Per step, shared by every layer (each layer's gather overwrites the last one's, which it no longer needs)
+    _gather_buf: torch.Tensor | None = field(default=None, repr=False)
+    _decode_pad_B1L: torch.Tensor | None = field(default=None, repr=False)
+
+    def gather_blocks(self, kv_cache_NBD: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """kv_cache_NBD rows `block_ids` (flattened), copied into this step's scratch buffer:
+        [len(block_ids), block_size, D]. index_select into a reused buffer is ~3x faster on CPU than
+        advanced indexing into a new tensor."""
+        shape = (block_ids.numel(), *kv_cache_NBD.shape[1:])
+        buf = self._gather_buf
+        if buf is None or buf.dtype != kv_cache_NBD.dtype or buf.numel() < block_ids.numel() * kv_cache_NBD[0].numel():
+            buf = self._gather_buf = kv_cache_NBD.new_empty(shape)
+        out = buf.view(-1)[: block_ids.numel() * kv_cache_NBD[0].numel()].view(shape)
+        return torch.index_select(kv_cache_NBD, 0, block_ids.reshape(-1), out=out)
+
+    def decode_padding_B1L(self, L: int) -> torch.Tensor:
+        """True where a decode sequence's padded context holds no token (the same for every layer)."""
+        if self._decode_pad_B1L is None or self._decode_pad_B1L.shape[-1] != L:
+            lens_B = self.decode_context_lens_B
+            self._decode_pad_B1L = (torch.arange(L, device=lens_B.device)[None, :] >= lens_B[:, None])[:, None, :]
+        return self._decode_pad_B1L
 
     @property
     def num_decodes(self) -> int:
@@ -110,17 +131,18 @@ class MLAttention(nn.Module):
 
     def _decode(self, q_BNK: torch.Tensor, kv_cache_NBD: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B = q_BNK.shape[0]
-        kv_BLK = kv_cache_NBD[meta.decode_block_tables_BM].view(B, -1, kv_cache_NBD.shape[-1]).to(q_BNK.dtype)
+        kv_BLK = meta.gather_blocks(kv_cache_NBD, meta.decode_block_tables_BM).view(B, -1, kv_cache_NBD.shape[-1])
+        kv_BLK = kv_BLK.to(q_BNK.dtype)
         scores_BNL = torch.bmm(q_BNK, kv_BLK.transpose(1, 2)).float() * self.scale
-        L = kv_BLK.shape[1]
-        pad_BL = torch.arange(L, device=q_BNK.device)[None, :] >= meta.decode_context_lens_B[:, None]
-        scores_BNL.masked_fill_(pad_BL[:, None, :], float("-inf"))
+        scores_BNL.masked_fill_(meta.decode_padding_B1L(kv_BLK.shape[1]), float("-inf"))
         probs_BNL = scores_BNL.softmax(dim=-1).to(q_BNK.dtype)
-        return torch.bmm(probs_BNL, kv_BLK[..., : self.kv_lora_rank])
+        # The values are the latent part of each cached row. Multiplying by whole rows and dropping the rope
+        # columns after is faster than a bmm on the strided latent slice (which copies it first).
+        return torch.bmm(probs_BNL, kv_BLK)[..., : self.kv_lora_rank]
 
     def _prefill(self, q_QNK: torch.Tensor, kv_cache_NBD: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
         Q, L = seq.num_query, seq.context_len
-        kv_LK = kv_cache_NBD[seq.block_table].view(-1, kv_cache_NBD.shape[-1])[:L].to(q_QNK.dtype)
+        kv_LK = kv_cache_NBD.index_select(0, seq.block_table).view(-1, kv_cache_NBD.shape[-1])[:L].to(q_QNK.dtype)
         scores_NQL = torch.matmul(q_QNK.transpose(0, 1), kv_LK.t()).float() * self.scale
         # query i sits at position L - Q + i and sees keys 0..L - Q + i
         dev = q_QNK.device

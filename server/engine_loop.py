@@ -7,7 +7,8 @@ Messages are msgpack maps with a "type" (never pickle). Front end -> engine (PUS
     expert_load  {nonce, op: window|total|record|start|stop}  -> reply: ExpertLoadRecorder.to_json / state
     shutdown     {}
 Engine -> front end (PUSH -> PULL):
-    ready        {max_model_len, vocab_size, eos_token_id, kv_cache_tokens_total, pid}   (once, after loading)
+    ready        {max_model_len, vocab_size, eos_token_id, kv_cache_tokens_total, pid,
+                  startup: {phase: seconds}}   (once, after loading)
     startup_error {message}
     outputs      {outputs: [{id, t: new token ids, lp: new logprobs [[[id, logprob], ...] per token] | None,
                              and when finished: finish, stop, text, prompt_len, cached}]}
@@ -56,7 +57,9 @@ def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, l
     try:
         from server.config import EngineConfig
         from server.engine import LLMEngine
+        from server.startup import since_process_start
 
+        engine_import_s = since_process_start()
         engine = LLMEngine(EngineConfig(**engine_kwargs))
         recorder = engine.expert_load_recorder  # on by default (None without MoE layers); the engine closes its steps
     except Exception as exc:  # noqa: BLE001 - reported to the front end, which exits with it
@@ -67,7 +70,8 @@ def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, l
         return
     push.send(pack({"type": "ready", "max_model_len": engine.max_model_len,
                     "vocab_size": engine.model_config.vocab_size, "eos_token_id": engine.eos_token_id,
-                    "kv_cache_tokens_total": engine.kv_cache_tokens_total, "pid": os.getpid()}))
+                    "kv_cache_tokens_total": engine.kv_cache_tokens_total, "pid": os.getpid(),
+                    "startup": {"engine_import": engine_import_s, **engine.startup_seconds}}))
     try:
         EngineLoop(engine, recorder, pull, push).run()
     finally:

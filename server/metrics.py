@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,8 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("moe_e2e_request_latency_seconds", "Time from arrival to finish (or abort).",
                              buckets=_E2E_BUCKETS, registry=r)
+        self.startup = Gauge("moe_startup_seconds", "Seconds per start-up phase, from process start to /ready "
+                             "(phases in server/startup.py; total is the whole span).", ["phase"], registry=r)
         self.engine = EngineStatsCollector()
         r.register(self.engine)
         r.register(GpuCollector())

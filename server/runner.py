@@ -20,6 +20,7 @@ from parallel.pipeline import split_micro_batches, stage_layer_range
 from parallel.state import ParallelState
 from server.sampler import SampleResult, sample
 from server.scheduler import ScheduledRequest, SchedulerOutput
+from server.startup import PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +38,22 @@ class ModelRunner:
         layer_range = stage_layer_range(cfg.num_hidden_layers, pcfg.pipeline_parallel_size, state.coords.pp_rank)
         tp = state.tp if state.tp.size > 1 else None
         ep = state.ep if state.ep.size > 1 else None
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(self.device):
-                self.model = DeepseekForCausalLM(cfg, tp, ep, layer_range, placement)
-        finally:
-            torch.set_default_dtype(prev)
-        self.model.requires_grad_(False)
-        load_checkpoint(self.model, model_dir, cfg)
-        self.model.eval()
-        # One latent cache tensor per local layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-        self.kv_caches = [torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=self.device)
-                          for _ in range(self.model.num_local_layers)]
+        self.startup = PhaseTimer()
+        with self.startup.phase("weight_load"):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.device(self.device):
+                    self.model = DeepseekForCausalLM(cfg, tp, ep, layer_range, placement)
+            finally:
+                torch.set_default_dtype(prev)
+            self.model.requires_grad_(False)
+            load_checkpoint(self.model, model_dir, cfg)
+            self.model.eval()
+        with self.startup.phase("kv_cache"):
+            # One latent cache tensor per local layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+            self.kv_caches = [torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=self.device)
+                              for _ in range(self.model.num_local_layers)]
         self.generator = torch.Generator().manual_seed(seed)
         log.info("layers [%d, %d); KV cache: %d blocks x %d tokens, %.1f MiB", *layer_range, num_blocks, block_size,
                  sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)

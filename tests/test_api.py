@@ -232,6 +232,19 @@ def test_metrics_move_as_requests_complete(server, client):
     assert 0 < _value(after, "moe_expert_balancedness", layer="1") <= 1
 
 
+def test_startup_phases_exported_once_ready(server):
+    """/ready has answered (the fixture waits for it): every start-up phase is a metric, none longer than the
+    whole span from the front end's process start, and the loading phases took some time."""
+    from server.startup import __doc__ as phases_doc
+
+    got = {s.labels["phase"]: s.value for s in _metrics(server)["moe_startup_seconds"].samples}
+    documented = {line.split()[0] for line in phases_doc.split("Phases")[1].splitlines()[1:] if line.startswith("  ")}
+    assert set(got) == documented, set(got) ^ documented
+    assert all(v >= 0 for v in got.values())
+    assert 0 < got["weight_load"] < got["total"] and 0 < got["warmup"] < got["total"]
+    assert got["frontend_import"] + got["warmup"] < got["total"]
+
+
 def test_expert_load_counts_equal_direct_count(server, llm, monkeypatch):
     """The record endpoints count exactly the top-k ids the model routed (counted here by wrapping `route`)."""
     import moe.model

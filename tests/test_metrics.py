@@ -21,7 +21,7 @@ ALL_METRICS = [
     "moe_generation_tokens", "moe_time_to_first_token_seconds", "moe_inter_token_latency_seconds",
     "moe_e2e_request_latency_seconds", "moe_request_finished", "moe_expert_balancedness", "moe_ep_rank_tokens",
     "moe_all_to_all_bytes", "moe_gpu_utilization_perc", "moe_gpu_memory_used_bytes", "moe_gpu_memory_total_bytes",
-    "moe_engine_alive",
+    "moe_engine_alive", "moe_startup_seconds",
 ]
 
 
