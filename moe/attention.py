@@ -2,8 +2,10 @@
 
 The cache of one layer is `kv_cache_NBD [num_blocks, block_size, C + R]`: per token, the normalised
 compressed latent (C = kv_lora_rank) followed by the rotated shared rope key (R = qk_rope_head_dim).
-Nothing per head is cached. Queries are absorbed into latent space with W_UK, scores are taken
-against the latent directly, and the attention output is lifted back out with W_UV.
+Nothing per head is cached. Decode queries are absorbed into latent space with W_UK, scores are taken
+against the latent directly, and the attention output is lifted back out with W_UV. Prompt chunks, whose
+many queries share one context, decompress that context's latents into per-head keys and values instead
+and run SDPA on them (fewer FLOPs there than the absorbed form, and no float32 score matrix).
 
 Legend: T = tokens in the step, N = (local) heads, C = kv_lora_rank, R = qk_rope_head_dim,
 Dn = qk_nope_head_dim, Dv = v_head_dim, L = context length, B = decode sequences, H = hidden size.
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moe.config import ModelConfig
@@ -109,24 +112,23 @@ class MLAttention(nn.Module):
         q_TNK = q.view(T, N, self.nope_dim + self.rope_dim)
         q_nope_TND, q_pe_TNR = q_TNK.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe_TNR = self.rope(q_pe_TNR, cos_TR2, sin_TR2)
-        # Absorb W_UK: q_lat[t, n] = W_UK[n]^T q_nope[t, n]
-        q_lat_TNC = torch.bmm(q_nope_TND.transpose(0, 1), self.w_uk_NDC).transpose(0, 1)
-        q_full_TNK = torch.cat((q_lat_TNC, q_pe_TNR), dim=-1)
 
         latent_TC, k_pe_TR = self.kv_a_proj_with_mqa(x_TH).split([C, self.rope_dim], dim=-1)
         latent_TC = self.kv_a_layernorm(latent_TC)
         k_pe_TR = self.rope(k_pe_TR[:, None, :], cos_TR2, sin_TR2)[:, 0]
         flat_cache = kv_cache_NBD.view(-1, kv_cache_NBD.shape[-1])
-        flat_cache[meta.slot_mapping_T] = torch.cat((latent_TC, k_pe_TR), dim=-1).to(flat_cache.dtype)
+        flat_cache.index_copy_(0, meta.slot_mapping_T, torch.cat((latent_TC, k_pe_TR), dim=-1).to(flat_cache.dtype))
 
-        out_lat_TNC = q_lat_TNC.new_empty(T, N, C)
+        out_TNV = x_TH.new_empty(T, N, self.v_dim)
         if meta.num_decodes:
-            out_lat_TNC[meta.decode_token_idx_B] = self._decode(q_full_TNK[meta.decode_token_idx_B], kv_cache_NBD, meta)
+            idx_B = meta.decode_token_idx_B
+            # Absorb W_UK: q_lat[b, n] = W_UK[n]^T q_nope[b, n]; attend in latent space; lift out with W_UV.
+            q_lat_BNC = torch.bmm(q_nope_TND[idx_B].transpose(0, 1), self.w_uk_NDC).transpose(0, 1)
+            out_lat_BNC = self._decode(torch.cat((q_lat_BNC, q_pe_TNR[idx_B]), dim=-1), kv_cache_NBD, meta)
+            out_TNV[idx_B] = torch.bmm(out_lat_BNC.transpose(0, 1), self.w_uv_NVC.transpose(1, 2)).transpose(0, 1)
         for seq in meta.prefills:
             rows = slice(seq.token_start, seq.token_start + seq.num_query)
-            out_lat_TNC[rows] = self._prefill(q_full_TNK[rows], kv_cache_NBD, seq)
-        # Lift out of latent space with W_UV: out[t, n] = W_UV[n] out_lat[t, n]
-        out_TNV = torch.bmm(out_lat_TNC.transpose(0, 1), self.w_uv_NVC.transpose(1, 2)).transpose(0, 1)
+            out_TNV[rows] = self._prefill(q_nope_TND[rows], q_pe_TNR[rows], kv_cache_NBD, seq)
         return self.o_proj(out_TNV.reshape(T, N * self.v_dim))
 
     def _decode(self, q_BNK: torch.Tensor, kv_cache_NBD: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -140,13 +142,24 @@ class MLAttention(nn.Module):
         # columns after is faster than a bmm on the strided latent slice (which copies it first).
         return torch.bmm(probs_BNL, kv_BLK)[..., : self.kv_lora_rank]
 
-    def _prefill(self, q_QNK: torch.Tensor, kv_cache_NBD: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
-        Q, L = seq.num_query, seq.context_len
-        kv_LK = kv_cache_NBD.index_select(0, seq.block_table).view(-1, kv_cache_NBD.shape[-1])[:L].to(q_QNK.dtype)
-        scores_NQL = torch.matmul(q_QNK.transpose(0, 1), kv_LK.t()).float() * self.scale
-        # query i sits at position L - Q + i and sees keys 0..L - Q + i
-        dev = q_QNK.device
-        future_QL = torch.arange(L, device=dev)[None, :] > (torch.arange(Q, device=dev) + (L - Q))[:, None]
-        scores_NQL.masked_fill_(future_QL[None], float("-inf"))
-        probs_NQL = scores_NQL.softmax(dim=-1).to(q_QNK.dtype)
-        return torch.matmul(probs_NQL, kv_LK[:, : self.kv_lora_rank]).transpose(0, 1)
+    def _prefill(self, q_nope_QND: torch.Tensor, q_pe_QNR: torch.Tensor, kv_cache_NBD: torch.Tensor,
+                 seq: PrefillSeq) -> torch.Tensor:
+        """A prompt chunk attends in the non-absorbed form: its context's latents are decompressed with
+        kv_b_proj into per-head keys (nope dims + the shared rope key) and values, and SDPA runs over
+        Dn + R = 192 key dims and Dv = 128 value dims per head instead of 576 and 512 in latent space."""
+        Q, L, N = seq.num_query, seq.context_len, self.num_heads
+        kv_LK = kv_cache_NBD.index_select(0, seq.block_table).view(-1, kv_cache_NBD.shape[-1])[:L].to(q_nope_QND.dtype)
+        latent_LC, k_pe_LR = kv_LK.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_LNX = F.linear(latent_LC, self.kv_b_proj.weight).view(L, N, self.nope_dim + self.v_dim)
+        k_nope_LND, v_LNV = kv_LNX.split([self.nope_dim, self.v_dim], dim=-1)
+        k_NLK = torch.cat((k_nope_LND, k_pe_LR[:, None, :].expand(L, N, self.rope_dim)), dim=-1).transpose(0, 1)
+        q_NQK = torch.cat((q_nope_QND, q_pe_QNR), dim=-1).transpose(0, 1)
+        if L == Q:
+            out_NQV = F.scaled_dot_product_attention(q_NQK, k_NLK, v_LNV.transpose(0, 1), is_causal=True,
+                                                     scale=self.scale)
+        else:  # query i sits at position L - Q + i and sees keys 0..L - Q + i
+            dev = q_NQK.device
+            visible_QL = torch.arange(L, device=dev)[None, :] <= (torch.arange(Q, device=dev) + (L - Q))[:, None]
+            out_NQV = F.scaled_dot_product_attention(q_NQK, k_NLK, v_LNV.transpose(0, 1), attn_mask=visible_QL,
+                                                     scale=self.scale)
+        return out_NQV.transpose(0, 1)
