@@ -43,9 +43,12 @@ class AttentionMetadata:
     decode_block_tables_BM: torch.Tensor  # [B, M] block ids, padded with 0
     decode_context_lens_B: torch.Tensor  # [B]
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # Decode rows attend in groups (row start, row end, blocks per row): with rows sorted by context length,
+    # each group pads only to its own longest context. Empty: one group of all rows, padded to M.
+    decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
     # Per step, shared by every layer (each layer's gather overwrites the last one's, which it no longer needs)
     _gather_buf: torch.Tensor | None = field(default=None, repr=False)
-    _decode_pad_B1L: torch.Tensor | None = field(default=None, repr=False)
+    _decode_pad: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def gather_blocks(self, kv_cache_NBD: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """kv_cache_NBD rows `block_ids` (flattened), copied into this step's scratch buffer:
@@ -58,12 +61,16 @@ class AttentionMetadata:
         out = buf.view(-1)[: block_ids.numel() * kv_cache_NBD[0].numel()].view(shape)
         return torch.index_select(kv_cache_NBD, 0, block_ids.reshape(-1), out=out)
 
-    def decode_padding_B1L(self, L: int) -> torch.Tensor:
-        """True where a decode sequence's padded context holds no token (the same for every layer)."""
-        if self._decode_pad_B1L is None or self._decode_pad_B1L.shape[-1] != L:
-            lens_B = self.decode_context_lens_B
-            self._decode_pad_B1L = (torch.arange(L, device=lens_B.device)[None, :] >= lens_B[:, None])[:, None, :]
-        return self._decode_pad_B1L
+    def groups(self) -> list[tuple[int, int, int]]:
+        return self.decode_groups or [(0, self.num_decodes, self.decode_block_tables_BM.shape[1])]
+
+    def decode_padding_B1L(self, start: int, end: int, L: int) -> torch.Tensor:
+        """True where a decode row's padded context (rows start..end, L slots) holds no token; the same
+        for every layer, so made once per step."""
+        if start not in self._decode_pad:
+            lens_B = self.decode_context_lens_B[start:end]
+            self._decode_pad[start] = (torch.arange(L, device=lens_B.device)[None, :] >= lens_B[:, None])[:, None, :]
+        return self._decode_pad[start]
 
     @property
     def num_decodes(self) -> int:
@@ -124,19 +131,23 @@ class MLAttention(nn.Module):
             idx_B = meta.decode_token_idx_B
             # Absorb W_UK: q_lat[b, n] = W_UK[n]^T q_nope[b, n]; attend in latent space; lift out with W_UV.
             q_lat_BNC = torch.bmm(q_nope_TND[idx_B].transpose(0, 1), self.w_uk_NDC).transpose(0, 1)
-            out_lat_BNC = self._decode(torch.cat((q_lat_BNC, q_pe_TNR[idx_B]), dim=-1), kv_cache_NBD, meta)
+            q_BNK = torch.cat((q_lat_BNC, q_pe_TNR[idx_B]), dim=-1)
+            out_lat_BNC = torch.cat([self._decode(q_BNK[start:end], kv_cache_NBD, meta, start, end, blocks)
+                                     for start, end, blocks in meta.groups()])
             out_TNV[idx_B] = torch.bmm(out_lat_BNC.transpose(0, 1), self.w_uv_NVC.transpose(1, 2)).transpose(0, 1)
         for seq in meta.prefills:
             rows = slice(seq.token_start, seq.token_start + seq.num_query)
             out_TNV[rows] = self._prefill(q_nope_TND[rows], q_pe_TNR[rows], kv_cache_NBD, seq)
         return self.o_proj(out_TNV.reshape(T, N * self.v_dim))
 
-    def _decode(self, q_BNK: torch.Tensor, kv_cache_NBD: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        B = q_BNK.shape[0]
-        kv_BLK = meta.gather_blocks(kv_cache_NBD, meta.decode_block_tables_BM).view(B, -1, kv_cache_NBD.shape[-1])
-        kv_BLK = kv_BLK.to(q_BNK.dtype)
+    def _decode(self, q_BNK: torch.Tensor, kv_cache_NBD: torch.Tensor, meta: AttentionMetadata, start: int,
+                end: int, blocks: int) -> torch.Tensor:
+        """Decode rows start..end of the step, whose contexts fit in `blocks` blocks."""
+        B = end - start
+        tables_BM = meta.decode_block_tables_BM[start:end, :blocks]
+        kv_BLK = meta.gather_blocks(kv_cache_NBD, tables_BM).view(B, -1, kv_cache_NBD.shape[-1]).to(q_BNK.dtype)
         scores_BNL = torch.bmm(q_BNK, kv_BLK.transpose(1, 2)).float() * self.scale
-        scores_BNL.masked_fill_(meta.decode_padding_B1L(kv_BLK.shape[1]), float("-inf"))
+        scores_BNL.masked_fill_(meta.decode_padding_B1L(start, end, kv_BLK.shape[1]), float("-inf"))
         probs_BNL = scores_BNL.softmax(dim=-1).to(q_BNK.dtype)
         # The values are the latent part of each cached row. Multiplying by whole rows and dropping the rope
         # columns after is faster than a bmm on the strided latent slice (which copies it first).

@@ -25,6 +25,18 @@ from server.startup import PhaseTimer
 log = logging.getLogger(__name__)
 
 
+DECODE_GROUP_ROWS = 16  # decode rows per attention group: fewer make the batched GEMMs too thin
+
+
+def decode_group_bounds(num_rows: int, rows_per_group: int = DECODE_GROUP_ROWS) -> list[tuple[int, int]]:
+    """Split num_rows (sorted by context length) into consecutive groups of rows_per_group; a short
+    remainder joins the last group."""
+    bounds = [(s, min(s + rows_per_group, num_rows)) for s in range(0, num_rows, rows_per_group)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < rows_per_group // 2:
+        bounds[-2:] = [(bounds[-2][0], num_rows)]
+    return bounds
+
+
 class ModelRunner:
     """Holds this rank's part of the model and its KV caches. Under pipeline parallelism a stage
     receives the previous stage's hidden states and sends its own on; the last stage samples and
@@ -79,6 +91,10 @@ class ModelRunner:
             if end == req.num_tokens:  # prompt complete: this step yields the next token
                 sample_idx.append(t0 + n - 1)
                 sample_reqs.append(req)
+        # decode rows sorted by context length, in groups that each pad only to their own longest context
+        order = sorted(range(len(decode_idx)), key=lambda i: decode_lens[i])
+        decode_idx, decode_tables, decode_lens = ([v[i] for i in order] for v in (decode_idx, decode_tables, decode_lens))
+        groups = [(g0, g1, len(decode_tables[g1 - 1])) for g0, g1 in decode_group_bounds(len(decode_idx))]
         width = max((len(t) for t in decode_tables), default=1)
         tables = [t + [0] * (width - len(t)) for t in decode_tables]
         dev = self.device
@@ -88,6 +104,7 @@ class ModelRunner:
             decode_block_tables_BM=torch.tensor(tables, dtype=torch.long, device=dev).view(len(tables), width),
             decode_context_lens_B=torch.tensor(decode_lens, dtype=torch.long, device=dev),
             prefills=prefills,
+            decode_groups=groups,
         )
         inputs = (torch.tensor(token_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev))
         return inputs, meta, sample_idx, sample_reqs
