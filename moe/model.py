@@ -20,7 +20,7 @@ from kernels import fused_moe
 from moe.attention import AttentionMetadata, MLAttention
 from moe.config import ModelConfig
 from moe.layers import MLP, RMSNorm, RotaryEmbedding
-from moe.parallel_linear import ParallelLMHead, VocabParallelEmbedding, all_reduce, group_rank_size
+from moe.parallel_linear import PackedLinear, ParallelLMHead, VocabParallelEmbedding, all_reduce, group_rank_size
 
 
 class Gate(nn.Module):
@@ -197,6 +197,9 @@ class DeepseekForCausalLM(nn.Module):
     def after_loading(self) -> None:
         for layer in self.model.layers[self.model.start:self.model.end]:
             layer.self_attn.absorb_weights()
+        for module in self.modules():  # bf16 on CPU: oneDNN-packed copies of the dense weights
+            if isinstance(module, PackedLinear):
+                module.pack_weight()
 
 
 def _demo() -> None:

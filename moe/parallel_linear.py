@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_linear
 from parallel import comm
 
 
@@ -40,7 +41,31 @@ def all_reduce(x: torch.Tensor, group: comm.Group | None) -> torch.Tensor:
     return x if group is None else comm.all_reduce(x, group)
 
 
-class ColumnParallelLinear(nn.Module):
+class PackedLinear(nn.Module):
+    """Base of the linear layers: after loading, `pack_weight()` keeps a oneDNN-packed copy of a bf16 CPU
+    weight that `_linear` then uses (kernels/cpu_linear.py); elsewhere it is F.linear."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_weight(self) -> None:
+        self.packed = cpu_linear.pack(self.weight.detach())
+
+    def _linear(self, x_TI: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return cpu_linear.linear(x_TI, self.weight, self.packed, bias)
+
+
+class ReplicatedLinear(PackedLinear):
+    """y = x W^T with the whole W on every rank (no bias: DeepSeek's low-rank projections have none)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+        return self._linear(x_TI)
+
+
+class ColumnParallelLinear(PackedLinear):
     """y = x W^T with W's output rows split over the group; each rank keeps its slice of y."""
 
     def __init__(self, in_features: int, out_features: int, group=None, bias: bool = False):
@@ -52,10 +77,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _mark(nn.Parameter(torch.empty(out_features // size), requires_grad=False), 0, rank, size) if bias else None
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TI, self.weight, self.bias)
+        return self._linear(x_TI, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackedLinear):
     """y = x W^T with W's input columns split over the group; partial sums are all-reduced
     (unless `reduce=False`: the caller reduces once for several partial sums). No bias: DeepSeek
     models have none here."""
@@ -69,7 +94,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // size), requires_grad=False), 1, rank, size)
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        y_TO = F.linear(x_TI, self.weight)
+        y_TO = self._linear(x_TI)
         return all_reduce(y_TO, self.group) if self.reduce else y_TO
 
 
@@ -97,7 +122,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(x_TH, self.group)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(PackedLinear):
     """Vocabulary-parallel output projection; logits are gathered so every rank sees all of them."""
 
     def __init__(self, hidden_size: int, vocab_size: int, group=None):
@@ -109,5 +134,5 @@ class ParallelLMHead(nn.Module):
         self.weight = _mark(nn.Parameter(torch.empty(vocab_size // size, hidden_size), requires_grad=False), 0, rank, size)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        logits_TV = F.linear(x_TH, self.weight)
+        logits_TV = self._linear(x_TH)
         return logits_TV if self.group is None else comm.all_gather(logits_TV, self.group, dim=-1)

@@ -1,0 +1,40 @@
+"""bf16 linear layers on CPU through oneDNN, with each weight packed once after loading.
+
+`F.linear` on a bf16 CPU weight re-lays the weight out for oneDNN (or falls back to a slow path) on every
+call; at decode sizes (a few rows) that costs more than the product. oneDNN's packed linear
+(`torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call, as torch's own CPU
+freezing pass does) gives the same result: per 512x512 weight, one thread, beyond cache, 63 vs 153 us at
+1 row, 89 vs 140 us at 8, 247 vs 291 us at 64 (docs/benchmarks.md). The torch reference is F.linear.
+
+Legend: T rows, I in features, O out features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def can_pack(weight_OI: torch.Tensor) -> bool:
+    """Whether this weight takes the packed path: a 2-D bf16 tensor on CPU, with oneDNN available."""
+    return (weight_OI.device.type == "cpu" and weight_OI.dtype == torch.bfloat16 and weight_OI.dim() == 2
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack(weight_OI: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's layout (a copy), or None where `can_pack` says no."""
+    if not can_pack(weight_OI):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight_OI.contiguous(), 1)
+
+
+def linear(x_TI: torch.Tensor, weight_OI: torch.Tensor, packed: torch.Tensor | None,
+           bias_O: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b), through the packed weight when there is one (and x matches its dtype), else F.linear."""
+    if packed is None or x_TI.dtype != weight_OI.dtype or x_TI.device.type != "cpu":
+        return F.linear(x_TI, weight_OI, bias_O)
+    rows_TI = x_TI.reshape(-1, x_TI.shape[-1])
+    if not rows_TI.is_contiguous():
+        rows_TI = rows_TI.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(rows_TI, packed, bias_O, "none", [], "")
+    return y.view(*x_TI.shape[:-1], weight_OI.shape[0])
