@@ -3,8 +3,8 @@
 `F.linear` on a bf16 CPU weight re-lays the weight out for oneDNN (or falls back to a slow path) on every
 call; at decode sizes (a few rows) that costs more than the product. oneDNN's packed linear
 (`torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call, as torch's own CPU
-freezing pass does) gives the same result: per 512x512 weight, one thread, beyond cache, 63 vs 153 us at
-1 row, 89 vs 140 us at 8, 247 vs 291 us at 64 (docs/benchmarks.md). The torch reference is F.linear.
+freezing pass does) gives the same result, 1.2-1.25x faster per 512x512 weight at 1-64 rows, one thread,
+beyond cache (scripts/bench_linear.py; docs/benchmarks.md). The torch reference is F.linear.
 
 Legend: T rows, I in features, O out features.
 """
