@@ -34,3 +34,29 @@ def test_only_bf16_cpu_weights_are_packed():
     x = torch.randn(5, 16, dtype=torch.bfloat16)
     assert (layer.packed is not None) == cpu_linear.can_pack(layer.weight)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1.6e-2, atol=1e-2)
+
+
+def test_bf16_engine_same_tokens_with_and_without_packing(checkpoint, monkeypatch):
+    """The packed path changes the speed of a bf16 model on CPU, not its output: greedy tokens and logprobs
+    equal those of the same engine with every layer on F.linear."""
+    from server import LLM, SamplingParams
+
+    ckpt = checkpoint("v3")
+    prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run():
+        llm = LLM(ckpt, dtype="bfloat16", max_num_batched_tokens=16)  # chunked prefill as well as decode
+        packed = [m.packed is not None for m in llm.engine.runner.model.modules() if hasattr(m, "pack_weight")]
+        return llm.generate(prompts, params), packed
+
+    with_packing, packed = run()
+    assert all(packed) == cpu_linear.can_pack(torch.empty(2, 2, dtype=torch.bfloat16))
+    monkeypatch.setattr(cpu_linear, "pack", lambda weight: None)
+    without, unpacked = run()
+    assert not any(unpacked)
+    for a, b in zip(with_packing, without):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[k] - step_b[k]) < 1e-2 for k in step_a)
