@@ -286,49 +286,6 @@ def bench_args(args: argparse.Namespace, base_url: str, label: str, result_json:
     return b
 
 
-# ---- start-up phases, measured offline ----------------------------------------------------------------
-PHASES_SNIPPET = r"""
-import json, sys, time
-t0 = time.perf_counter()
-import torch
-from server.config import EngineConfig
-from server.engine import LLMEngine
-from server.sampling_params import SamplingParams
-t_import = time.perf_counter()
-cfg = EngineConfig(model=sys.argv[1], dtype="bfloat16", **json.loads(sys.argv[2]))
-engine = LLMEngine(cfg)
-t_engine = time.perf_counter()
-shapes = [c.shape for c in engine.runner.kv_caches]
-t = time.perf_counter()
-extra = [torch.zeros(s, dtype=engine.dtype) for s in shapes]  # the same allocation again, timed alone
-t_kv = time.perf_counter() - t
-del extra
-engine.add_request(engine.tokenizer.encode("warm up"), SamplingParams(max_tokens=2, temperature=0.0), "warmup")
-while engine.has_unfinished_requests():
-    engine.step()
-t_warm = time.perf_counter()
-print(json.dumps({"import_s": t_import - t0, "weights_and_kv_s": t_engine - t_import, "kv_alloc_s": t_kv,
-                  "weight_load_s": t_engine - t_import - t_kv, "warmup_s": t_warm - t_engine,
-                  "total_s": t_warm - t0}))
-"""
-
-
-def startup_phases(ckpt: Path, moe_args: str, moe_env: str) -> dict:
-    """The same start-up calls timed offline in a fresh process (imports, LLMEngine construction = weight
-    load + KV allocation, a 2-token warm-up), beside what `moe serve` itself reports in moe_startup_seconds."""
-    flags = shlex.split(moe_args)
-    kw = {}
-    for name in ("max-num-seqs", "max-num-batched-tokens", "kv-cache-tokens", "block-size"):
-        if f"--{name}" in flags:
-            kw[name.replace("-", "_")] = int(flags[flags.index(f"--{name}") + 1])
-    env = {**os.environ, **parse_env(moe_env)}
-    r = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", PHASES_SNIPPET, str(ckpt), json.dumps(kw)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    if r.returncode != 0:
-        return {"error": r.stderr[-1000:]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 # ---- the transformers floor ------------------------------------------------------------------------
 def transformers_floor(ckpt: Path, requests: list[bench.BenchRequest], batch_size: int, timeout_s: float) -> dict:
     """Offline batched `generate` (left padding, greedy, exactly output_len new tokens per request)."""
@@ -438,10 +395,12 @@ def markdown(result: dict) -> str:
         lines += ["", f"transformers `generate` (offline, batch {tf['batch_size']}, {tf['torch_threads']} threads): "
                   f"{tf['request_throughput']:.2f} req/s, {tf['output_throughput']:.0f} output tok/s "
                   f"({tf['completed']} requests in {tf['seconds']:.1f} s)"]
-    ph = result.get("moe_startup_phases_offline")
-    if ph and "error" not in ph:
-        lines += ["", "moe start-up phases (same calls in a fresh process, not reported by the server): "
-                  + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in ph.items())]
+    moe = result["engines"].get("moe") if result.get("engines") else None
+    phases = [re.fullmatch(r'moe_startup_seconds\{phase="(\w+)"\} (\S+)', ln)
+              for ln in (moe["engine"].get("startup_details", {}).get("metrics", []) if moe else [])]
+    if any(phases):
+        lines += ["", "moe start-up phases (its `moe_startup_seconds`): "
+                  + ", ".join(f"{m[1]} {float(m[2]):.2f} s" for m in phases if m)]
     if result.get("ratios"):
         lines += [""] + [f"- {k}: {v:.2f}x" for k, v in result["ratios"].items()]
     return "\n".join(lines) + "\n"
@@ -538,8 +497,6 @@ def main() -> int:
     if specs:
         docs = compare(specs, args, requests, out)
         result["engines"] = {name: docs[name] for name in ("moe", "vllm", "vllm-auto") if name in docs}
-    if "moe" in args.engines:
-        result["moe_startup_phases_offline"] = startup_phases(ckpt, args.moe_args, args.moe_env)
     if "transformers" in args.engines:
         print("[peer] transformers generate (offline floor)", flush=True)
         quiet = QuietGate(args.quiet_cores, 60.0).wait()
