@@ -33,8 +33,6 @@ def linear(x_TI: torch.Tensor, weight_OI: torch.Tensor, packed: torch.Tensor | N
     """x W^T (+ b), through the packed weight when there is one (and x matches its dtype), else F.linear."""
     if packed is None or x_TI.dtype != weight_OI.dtype or x_TI.device.type != "cpu":
         return F.linear(x_TI, weight_OI, bias_O)
-    rows_TI = x_TI.reshape(-1, x_TI.shape[-1])
-    if not rows_TI.is_contiguous():
-        rows_TI = rows_TI.contiguous()
+    rows_TI = x_TI.reshape(-1, x_TI.shape[-1]).contiguous()
     y = torch.ops.mkldnn._linear_pointwise(rows_TI, packed, bias_O, "none", [], "")
     return y.view(*x_TI.shape[:-1], weight_OI.shape[0])

@@ -54,10 +54,10 @@ class AttentionMetadata:
         [len(block_ids), block_size, D]. index_select into a reused buffer is ~3x faster on CPU than
         advanced indexing into a new tensor."""
         shape = (block_ids.numel(), *kv_cache_NBD.shape[1:])
-        buf = self._gather_buf
-        if buf is None or buf.dtype != kv_cache_NBD.dtype or buf.numel() < block_ids.numel() * kv_cache_NBD[0].numel():
-            buf = self._gather_buf = kv_cache_NBD.new_empty(shape)
-        out = buf.view(-1)[: block_ids.numel() * kv_cache_NBD[0].numel()].view(shape)
+        numel = block_ids.numel() * kv_cache_NBD[0].numel()
+        if self._gather_buf is None or self._gather_buf.dtype != kv_cache_NBD.dtype or self._gather_buf.numel() < numel:
+            self._gather_buf = kv_cache_NBD.new_empty(shape)
+        out = self._gather_buf.view(-1)[:numel].view(shape)
         return torch.index_select(kv_cache_NBD, 0, block_ids.reshape(-1), out=out)
 
     def groups(self) -> list[tuple[int, int, int]]:

@@ -31,6 +31,7 @@ from server.runner import ModelRunner
 from server.sampler import SampleResult
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from server.startup import PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +52,14 @@ class LLMEngine:
         num_slots = (mc.n_routed_experts or 0) + eplb.num_redundant_experts
         pcfg.validate_against(num_slots or pcfg.ep_size, mc.num_attention_heads, mc.num_hidden_layers,
                               mc.vocab_size)  # before any weight loads
-        t0 = time.perf_counter()
-        self.parallel = init_parallel(pcfg, device=None if config.device == "auto" else config.device)
-        log_rank_table(self.parallel)
-        parallel_init_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        timer = PhaseTimer()  # seconds per start-up phase (server/startup.py), reported once the server is ready
+        with timer.phase("parallel_init"):
+            self.parallel = init_parallel(pcfg, device=None if config.device == "auto" else config.device)
+            log_rank_table(self.parallel)
         self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size, self.parallel,
-                                  seed=config.seed, placement=self._initial_placement(num_slots))
-        log.info("loaded %s (%s) in %.1f s", config.model, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
+                                  seed=config.seed, placement=self._initial_placement(num_slots), startup=timer)
+        log.info("loaded %s (%s) in %.1f s", config.model, str(self.dtype).removeprefix("torch."),
+                 timer.seconds["weight_load"] + timer.seconds["kv_cache"])
         self.expert_load_recorder = None
         self.rebalancer = None
         blocks = self.runner.model.moe_blocks()
@@ -74,9 +75,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.kv_cache_tokens_total = num_blocks * config.block_size
-        # seconds per start-up phase (server/startup.py), reported by the server once it is ready
-        self.startup_seconds = {"parallel_init": parallel_init_s, **self.runner.startup.seconds}
-        self.startup_seconds["engine_other"] = max(0.0, time.perf_counter() - t_start - sum(self.startup_seconds.values()))
+        timer.seconds["engine_other"] = max(0.0, time.perf_counter() - t_start - sum(timer.seconds.values()))
+        self.startup_seconds = timer.seconds
 
     def _initial_placement(self, num_slots: int) -> dict[int, list[int]] | None:
         """This stage's expert placement at start-up (see balancer/placement_file.py); logs the memory

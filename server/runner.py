@@ -43,14 +43,15 @@ class ModelRunner:
     broadcasts the sampled tokens back to every stage, so all ranks update the same way."""
 
     def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 state: ParallelState, seed: int = 0, placement: dict[int, list[int]] | None = None):
+                 state: ParallelState, seed: int = 0, placement: dict[int, list[int]] | None = None,
+                 startup: PhaseTimer | None = None):
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, state.device, block_size
         self.pp = state.pp
         pcfg = state.config
         layer_range = stage_layer_range(cfg.num_hidden_layers, pcfg.pipeline_parallel_size, state.coords.pp_rank)
         tp = state.tp if state.tp.size > 1 else None
         ep = state.ep if state.ep.size > 1 else None
-        self.startup = PhaseTimer()
+        self.startup = startup or PhaseTimer()  # times weight_load and kv_cache
         with self.startup.phase("weight_load"):
             prev = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
