@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / ".cache" / "tiny-v3"
 PROMPTS = ["The expert router sends each token to", "Once upon a time", "Mixture-of-experts models are fast because"]
+
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
@@ -30,6 +30,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None
             pass
         time.sleep(0.5)
     raise SystemExit("the server did not become ready in time")
+
 
 def main() -> None:
     sys.path.insert(0, str(REPO))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ except ImportError:  # newer openai releases ship the client as httpx2
 from parallel.launch import free_port  # noqa: E402  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
+
 
 @dataclass
 class Server:
@@ -72,6 +72,7 @@ class Server:
             if "spawn_main" in cmd:
                 pids.append(pid)
         return pids
+
 
 @contextmanager
 def running_server(model_dir: str, *args: str, api_key: str | None = None, timeout_s: float = 180.0, nproc: int = 1):

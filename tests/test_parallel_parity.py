@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ LAYOUTS = {
     "pp2-dp2-ep": ({"pipeline_parallel_size": 2, "data_parallel_size": 2, "enable_expert_parallel": True}, 4),
 }
 
+
 def torchrun(nproc: int, args: list[str], *, nnodes: int = 1, node_rank: int = 0, port: int | None = None,
              timeout: float = 240, wait: bool = True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
@@ -49,12 +49,15 @@ def torchrun(nproc: int, args: list[str], *, nnodes: int = 1, node_rank: int = 0
     assert proc.returncode == 0, out[-4000:]
     return out
 
+
 def run_layout(ckpt: str, tmp_path: Path, layout: dict, nproc: int, prompts=PROMPTS) -> list[dict]:
     out = tmp_path / "out.json"
     torchrun(nproc, [ckpt, str(out), json.dumps(layout), json.dumps(prompts), str(MAX_TOKENS)])
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(nproc)]
 
+
 _single: dict[tuple, list] = {}
+
 
 def single_process_tokens(ckpt: str, prompts=PROMPTS) -> list[list[int]]:
     key = (ckpt, tuple(prompts))
@@ -63,6 +66,7 @@ def single_process_tokens(ckpt: str, prompts=PROMPTS) -> list[list[int]]:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
         _single[key] = [o.outputs[0].token_ids for o in outs]
     return _single[key]
+
 
 @pytest.mark.parametrize("preset", ["v3", "v2"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -77,6 +81,7 @@ def test_layout_matches_single_process(checkpoint, tmp_path, preset, name):
         assert stats["dispatch_rows_sent_remote"] > 0
         assert stats["dispatch_bytes_sent"] <= stats["dispatch_naive_bytes_sent"]
 
+
 def test_lone_request_on_data_parallel_ranks(checkpoint, tmp_path):
     """One request on two DP ranks: rank 1 has no work and runs dummy batches through the MoE layers."""
     ckpt = checkpoint("v3")
@@ -84,6 +89,7 @@ def test_lone_request_on_data_parallel_ranks(checkpoint, tmp_path):
     expected = single_process_tokens(ckpt, lone)
     for result in run_layout(ckpt, tmp_path, LAYOUTS["dp2-ep"][0], 2, lone):
         assert result["tokens"] == expected
+
 
 def test_two_node_launch(checkpoint, tmp_path):
     """Two torchrun launches (--nnodes 2) of two ranks each on loopback: pp=2 x dp=2 with EP."""
@@ -98,6 +104,7 @@ def test_two_node_launch(checkpoint, tmp_path):
     expected = single_process_tokens(ckpt)
     for r in range(4):
         assert json.loads(Path(f"{out}.rank{r}").read_text())["tokens"] == expected
+
 
 def test_killed_rank_ends_the_job(checkpoint, tmp_path):
     """Two one-rank "nodes" (dp=2 with EP); SIGKILL the rank of node 1 mid-generation: the rank of
