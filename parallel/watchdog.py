@@ -10,9 +10,9 @@ Each rank, at start-up:
 
 `Watchdog.watch(name, ranks)` wraps one collective:
   - gloo raises when a peer's connection closes, or after the process group's timeout. The wrapper
-    catches that and names the lost rank(s): peers whose liveness socket refuses (process gone), else
-    peers whose heartbeat is stale or missing (polling up to `stale_after_s + interval_s`), else says all
-    peers are alive but did not join. It prints
+    catches that and names the lost rank(s): peers whose liveness socket refuses (process gone) and that
+    did not report the failure themselves before exiting, else peers whose heartbeat is stale or missing
+    (polling up to `stale_after_s + interval_s`), else says all peers are alive but did not join. It prints
         [rank R] collective X failed after Ns (timeout Ts); lost rank(s): 3; group ranks [...]; cause: ...
     ("timed out" instead of "failed" when the timeout expired) to stderr and ends the process with
     os._exit(1): no atexit hooks, no hanging destructors. The rank hosting the store first waits (at most
@@ -167,11 +167,27 @@ class Watchdog:
                 return stale
             time.sleep(min(0.25, self.interval_s / 4))
 
+    def _reported(self, ranks: list[int]) -> set[int]:
+        """Those of `ranks` that reported a failed collective themselves (empty if the store is unreachable)."""
+        try:
+            store = self._reader()
+            return {r for r in ranks if store.check([REPORTED_KEY.format(r)])}
+        except Exception:  # noqa: BLE001 - the store's host is gone: no way to tell, name every gone rank
+            return set()
+
     def _diagnose(self, ranks: tuple[int, ...]) -> tuple[list[int], str]:
         """(lost ranks, text for the report)."""
         gone = self.gone_ranks(ranks)
         if gone:
-            return gone, ", ".join(map(str, gone))
+            # A peer that saw the same failure first has reported it and exited: it is gone too, but it is
+            # not the rank that was lost. Name the gone ranks that did not report (all of them if unsure).
+            reported = self._reported(gone)
+            lost = [r for r in gone if r not in reported] or gone
+            text = ", ".join(map(str, lost))
+            also = [r for r in gone if r not in lost]
+            if also:
+                text += "; already reported and exited: " + ", ".join(map(str, also))
+            return lost, text
         try:
             stale = self.stale_ranks(ranks)
         except Exception as err:  # noqa: BLE001 - the store itself is unreachable

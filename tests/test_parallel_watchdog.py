@@ -130,3 +130,28 @@ def test_local_errors_are_not_treated_as_lost_ranks():
         with wd.watch("all_to_all_uneven(ep)", (0, 1)):
             raise RuntimeError("Split sizes doesn't match total dim 0 size")
     assert wd._inflight is None
+
+
+def test_peers_that_reported_and_exited_are_not_named_as_lost():
+    # Rank 3 dies; ranks 1 and 2 see it first, report and exit before rank 0 probes: all three liveness
+    # sockets refuse, but only rank 3 left no report, so rank 3 alone is the lost one.
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from parallel.watchdog import REPORTED_KEY, Watchdog
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    wd = Watchdog(0, "127.0.0.1", store.port, timeout_s=5)
+    for r in (1, 2, 3):  # addresses of closed listeners: connections are refused
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        wd._liveness[r] = s.getsockname()
+        s.close()
+    assert wd._diagnose((0, 1, 2, 3)) == ([1, 2, 3], "1, 2, 3")  # no reports: every gone rank is named
+    store.set(REPORTED_KEY.format(1), "1")
+    store.set(REPORTED_KEY.format(2), "1")
+    lost, text = wd._diagnose((0, 1, 2, 3))
+    assert lost == [3]
+    assert text == "3; already reported and exited: 1, 2"
