@@ -16,9 +16,15 @@ import torch.nn.functional as F
 
 
 def can_pack(weight_OI: torch.Tensor) -> bool:
-    """Whether this weight takes the packed path: a 2-D bf16 tensor on CPU, with oneDNN available."""
+    """Whether this weight takes the packed path: a 2-D bf16 tensor on CPU, with oneDNN's bf16 available."""
     return (weight_OI.device.type == "cpu" and weight_OI.dtype == torch.bfloat16 and weight_OI.dim() == 2
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and bf16_supported())
+
+
+def bf16_supported() -> bool:
+    """oneDNN's bf16 linear needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT; on an AVX2-only CPU it refuses."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack(weight_OI: torch.Tensor) -> torch.Tensor | None:
