@@ -61,7 +61,7 @@ def test_lost_rank_turns_health_503(checkpoint, tmp_path):
 
     def node(rank: int, log):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
+               "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
                "-m", "server", "serve", ckpt, "--dtype", "float32", "--port", str(port), "-dp", "2",
                "--enable-expert-parallel"]
         return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,18 +37,31 @@ def torchrun(nproc: int, args: list[str], *, nnodes: int = 1, node_rank: int = 0
              timeout: float = 240, wait: bool = True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     if nnodes > 1:
-        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        # torchrun's default (static) rendezvous: node 0 hosts the store and holds ranks 0..nproc-1. (The c10d
+        # backend ignores --node-rank, and its agents poll the store while workers run, so an agent whose
+        # peer agent closed the store at the end of the job could fail a finished run.)
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
     else:
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port or free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if not wait:  # the log goes to a file, so a launch nobody is reading yet cannot block on a full pipe
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen(cmd + [str(WORKER), *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        proc.log_file = log
+        return proc
     proc = subprocess.Popen(cmd + [str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
-    if not wait:
-        return proc
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
     return out
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for a launch started with wait=False; its whole log."""
+    proc.wait(timeout=timeout)
+    proc.log_file.seek(0)
+    return proc.log_file.read().decode(errors="replace")
 
 
 def run_layout(ckpt: str, tmp_path: Path, layout: dict, nproc: int, prompts=PROMPTS) -> list[dict]:
@@ -98,9 +112,9 @@ def test_two_node_launch(checkpoint, tmp_path):
     out = tmp_path / "out.json"
     args = [ckpt, str(out), json.dumps(LAYOUTS["pp2-dp2-ep"][0]), json.dumps(PROMPTS), str(MAX_TOKENS)]
     nodes = [torchrun(2, args, nnodes=2, node_rank=i, port=port, wait=False) for i in range(2)]
-    for node in nodes:
-        log, _ = node.communicate(timeout=300)
-        assert node.returncode == 0, log[-4000:]
+    logs = [finish(node, timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(
+        f"--- node {i} (exit {node.returncode}):\n{log[-3000:]}" for i, (node, log) in enumerate(zip(nodes, logs)))
     expected = single_process_tokens(ckpt)
     for r in range(4):
         assert json.loads(Path(f"{out}.rank{r}").read_text())["tokens"] == expected
@@ -124,9 +138,9 @@ def test_killed_rank_ends_the_job(checkpoint, tmp_path):
     time.sleep(3)  # inside the decode loop
     t0 = time.monotonic()
     os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    log, _ = nodes[0].communicate(timeout=120)
+    log = finish(nodes[0], timeout=120)
     elapsed = time.monotonic() - t0
-    nodes[1].communicate(timeout=60)
+    finish(nodes[1], timeout=60)
     assert nodes[0].returncode != 0
     assert elapsed < 60, f"took {elapsed:.0f} s to stop"
     assert "lost rank(s): 1" in log, log[-3000:]  # rank 0's watchdog names the killed rank
