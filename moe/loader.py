@@ -51,7 +51,10 @@ class _ShardReader:
         return self.handles[file].get_tensor(name)
 
 
-def load_checkpoint(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig) -> None:
+def load_checkpoint(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig,
+                    weight_dtype: torch.dtype | None = None) -> None:
+    """Copy every tensor this rank's part of `model` needs from the checkpoint; errors name the tensor and
+    file. weight_dtype: round each weight to this dtype first (the model may hold it in a wider one)."""
     model_dir = Path(model_dir)
     weight_map = checkpoint_files(model_dir)
     reader = _ShardReader(model_dir, weight_map)
@@ -92,6 +95,8 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str | Path, cfg: ModelCon
                 if scale_name not in weight_map:
                     raise ValueError(f"FP8 tensor {name} in {file} has no {scale_name} in the checkpoint")
                 tensor = dequantize_fp8_block(tensor, reader.get(scale_name), cfg.quant_block_shape or (128, 128))
+            if weight_dtype is not None:
+                tensor = tensor.to(weight_dtype)
             _copy_into(model, params, name, tensor, file)
             loaded.add(name)
     if skipped_mtp:

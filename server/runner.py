@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_linear import bf16_supported
 from moe.attention import AttentionMetadata, PrefillSeq
 from moe.config import ModelConfig
 from moe.loader import load_checkpoint
@@ -26,6 +27,17 @@ log = logging.getLogger(__name__)
 
 
 DECODE_GROUP_ROWS = 16  # decode rows per attention group: fewer make the batched GEMMs too thin
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the model computes in for weights of `dtype`. On a CPU without bf16 arithmetic (AVX2
+    only), torch's bf16 matmuls fall back to scalar loops, 3-10x slower than float32 there (17x for the
+    latent-attention bmm), so bf16 computes in float32 on the same bf16 values instead, as vLLM's CPU
+    kernels widen bf16 to float32 on such CPUs: weights are rounded to bf16 and held as float32 (twice
+    the memory), the KV cache stays bf16."""
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_supported():
+        return torch.float32
+    return dtype
 
 
 def decode_group_bounds(num_rows: int, rows_per_group: int = DECODE_GROUP_ROWS) -> list[tuple[int, int]]:
@@ -46,6 +58,10 @@ class ModelRunner:
                  state: ParallelState, seed: int = 0, placement: dict[int, list[int]] | None = None,
                  startup: PhaseTimer | None = None):
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, state.device, block_size
+        self.compute_dtype = compute_dtype(dtype, state.device)
+        if self.compute_dtype != dtype:
+            log.info("this CPU has no bf16 arithmetic (no AVX512/AVX-NE-CONVERT): computing in float32 on "
+                     "bf16-rounded weights (2x weight memory); KV cache in bf16")
         self.pp = state.pp
         pcfg = state.config
         layer_range = stage_layer_range(cfg.num_hidden_layers, pcfg.pipeline_parallel_size, state.coords.pp_rank)
@@ -54,14 +70,14 @@ class ModelRunner:
         self.startup = startup or PhaseTimer()  # times weight_load and kv_cache
         with self.startup.phase("weight_load"):
             prev = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
+            torch.set_default_dtype(self.compute_dtype)
             try:
                 with torch.device(self.device):
                     self.model = DeepseekForCausalLM(cfg, tp, ep, layer_range, placement)
             finally:
                 torch.set_default_dtype(prev)
             self.model.requires_grad_(False)
-            load_checkpoint(self.model, model_dir, cfg)
+            load_checkpoint(self.model, model_dir, cfg, weight_dtype=dtype)
             self.model.eval()
         with self.startup.phase("kv_cache"):
             # One latent cache tensor per local layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
