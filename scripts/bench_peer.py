@@ -402,8 +402,14 @@ def markdown(result: dict) -> str:
         lines += ["", "moe start-up phases (its `moe_startup_seconds`): "
                   + ", ".join(f"{m[1]} {float(m[2]):.2f} s" for m in phases if m)]
     if result.get("ratios"):
-        lines += [""] + [f"- {k}: {v:.2f}x" for k, v in result["ratios"].items()]
+        lines += [""] + [f"- {k}: " + ("undefined (its denominator is 0)" if v is None else f"{v:.2f}x")
+                         for k, v in result["ratios"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b; None where b is 0 (e.g. a peer with no goodput at any rate), so no 1e9 "x" gets printed."""
+    return a / b if b > 0 else None
 
 
 def ratios(result: dict) -> dict:
@@ -412,15 +418,15 @@ def ratios(result: dict) -> dict:
     if "moe" in eng and peers:
         peer = max(peers, key=lambda n: best_goodput(eng[n])[0])  # vLLM's better configuration on the day
         result["peer"] = peer
-        out[f"best goodput moe / {peer}"] = best_goodput(eng["moe"])[0] / max(best_goodput(eng[peer])[0], 1e-9)
-        out[f"output tok/s at inf moe / {peer}"] = (eng["moe"]["rates"][-1]["summary"]["output_throughput"]
-                                                   / max(eng[peer]["rates"][-1]["summary"]["output_throughput"], 1e-9))
+        out[f"best goodput moe / {peer}"] = _ratio(best_goodput(eng["moe"])[0], best_goodput(eng[peer])[0])
+        out[f"output tok/s at inf moe / {peer}"] = _ratio(eng["moe"]["rates"][-1]["summary"]["output_throughput"],
+                                                          eng[peer]["rates"][-1]["summary"]["output_throughput"])
     tf = result.get("transformers")
     if tf:
         for name, doc in eng.items():
-            out[f"best goodput {name} / transformers req/s"] = best_goodput(doc)[0] / tf["request_throughput"]
-            out[f"output tok/s at inf {name} / transformers"] = (doc["rates"][-1]["summary"]["output_throughput"]
-                                                                 / tf["output_throughput"])
+            out[f"best goodput {name} / transformers req/s"] = _ratio(best_goodput(doc)[0], tf["request_throughput"])
+            out[f"output tok/s at inf {name} / transformers"] = _ratio(doc["rates"][-1]["summary"]["output_throughput"],
+                                                                       tf["output_throughput"])
     return out
 
 
