@@ -327,11 +327,16 @@ def git_commit(repo: Path | None = None) -> str | None:
     return (sha + ("-dirty" if dirty else "")) if sha else None
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx_ne_convert", "amx_bf16")  # what bf16 speed hangs on
+
+
 def environment() -> dict:
-    cpu = ""
+    cpu, flags = "", []
     try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+        have = next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+        flags = [f for f in CPU_FLAGS if f in have]
     except OSError:
         pass
     mem = None
@@ -342,7 +347,7 @@ def environment() -> dict:
     return {"project": "moe-serve", "project_version": _version("moe-serve"), "git_commit": git_commit(),
             "torch": _version("torch"), "triton": _version("triton"), "transformers": _version("transformers"),
             "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-            "cpu": cpu, "cpu_count": os.cpu_count(), "memory_gib": mem, "hostname": platform.node()}
+            "cpu": cpu, "cpu_flags": flags, "cpu_count": os.cpu_count(), "memory_gib": mem, "hostname": platform.node()}
 
 
 def check_loopback(base_url: str) -> None:

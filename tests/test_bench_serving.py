@@ -208,7 +208,7 @@ def test_end_to_end_against_fake_server(tmp_path, capsys):
     saved = json.loads(out.read_text())  # strict JSON: inf written as a string
     assert saved["schema"] == "moe-bench-serve/1"
     assert [r["rate"] for r in saved["rates"]] == [50.0, "inf"]
-    assert set(saved["environment"]) >= {"project_version", "git_commit", "torch", "triton", "cpu", "cpu_count"}
+    assert set(saved["environment"]) >= {"project_version", "git_commit", "torch", "triton", "cpu", "cpu_flags", "cpu_count"}
     assert saved["config"]["request_rates"] == [50.0, "inf"] and "api_key" not in saved["config"]
     assert saved["slo"] == {"ttft_ms": 500.0, "tpot_ms": 50.0}
     assert len(saved["rates"][0]["requests"]) == 12
