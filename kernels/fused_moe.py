@@ -42,10 +42,14 @@ def _check_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_TK, topk_ids_TK, w13_scal
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("pass both w13_scale and w2_scale (fp8 weights) or neither")
     if w13_scale is None:
-        if w13_E2IH.dtype != x_TH.dtype or w2_EHI.dtype != x_TH.dtype:
+        same = w13_E2IH.dtype == w2_EHI.dtype == x_TH.dtype
+        # bf16 weights with float32 x: bf16 on a CPU without bf16 arithmetic (kernels/cpu_bf16w.py)
+        widened = (x_TH.dtype == torch.float32 and not x_TH.is_cuda
+                   and w13_E2IH.dtype == w2_EHI.dtype == torch.bfloat16)
+        if not (same or widened):
             raise TypeError(
                 f"weights ({w13_E2IH.dtype}, {w2_EHI.dtype}) must have x's dtype {x_TH.dtype}, "
-                f"or be {FP8_DTYPE} with w13_scale and w2_scale"
+                f"or be {FP8_DTYPE} with w13_scale and w2_scale (or bf16 for float32 x on CPU)"
             )
     else:
         if w13_E2IH.dtype != FP8_DTYPE or w2_EHI.dtype != FP8_DTYPE:
@@ -88,6 +92,8 @@ def fused_moe(
     _check_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_TK, topk_ids_TK, w13_scale, w2_scale, block_shape)
     if backend is None:
         backend = "triton" if x_TH.is_cuda else "torch"
+    if backend == "triton" and w13_scale is None and w13_E2IH.dtype != x_TH.dtype:
+        raise TypeError(f"the Triton path needs weights in x's dtype {x_TH.dtype}, got {w13_E2IH.dtype}")
     scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
     if backend == "torch":
         from kernels.fused_moe_torch import fused_moe_torch

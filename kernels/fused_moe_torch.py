@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_bf16w
 from kernels.reference import DEFAULT_BLOCK_SHAPE, dequant_fp8_block
 
 SCRATCH_BYTES = 16 << 20  # target size of the per-call scratch buffer (chunks shrink to fit)
@@ -41,11 +42,15 @@ def _carve(buf_B: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torc
 
 
 def _grouped_mm_into(a_CD: torch.Tensor, w_EOD: torch.Tensor, ends_E: list[int], out_CO: torch.Tensor) -> None:
-    """out[c] = w[e] @ a[c] for the rows c of expert e, [ends[e-1], ends[e])."""
+    """out[c] = w[e] @ a[c] for the rows c of expert e, [ends[e-1], ends[e]). bf16 w with float32 a: see
+    kernels/cpu_bf16w.py."""
     start = 0
     for e, end in enumerate(ends_E):
         if end > start:
-            torch.mm(a_CD[start:end], w_EOD[e].t(), out=out_CO[start:end])
+            if w_EOD.dtype == a_CD.dtype:
+                torch.mm(a_CD[start:end], w_EOD[e].t(), out=out_CO[start:end])
+            else:
+                cpu_bf16w.mm_into(a_CD[start:end], w_EOD[e], out_CO[start:end])
         start = end
 
 

@@ -194,6 +194,18 @@ class DeepseekForCausalLM(nn.Module):
         """This stage's MoE blocks by layer index."""
         return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(getattr(layer, "mlp", None), MoEBlock)}
 
+    def hold_weights_in(self, dtype: torch.dtype) -> None:
+        """Keep the linear and routed-expert weights in `dtype` (narrower than the model's compute dtype; the
+        loader already rounded their values to it), for kernels that widen them as they compute
+        (kernels/cpu_bf16w.py). Embedding tables (and a head tied to one) stay as they are."""
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, VocabParallelEmbedding)}
+        for module in self.modules():
+            if isinstance(module, PackedLinear) and id(module.weight) not in embeddings:
+                module.weight.data = module.weight.data.to(dtype)
+        for block in self.moe_blocks().values():
+            block.experts.w13.data = block.experts.w13.data.to(dtype)
+            block.experts.w2.data = block.experts.w2.data.to(dtype)
+
     def after_loading(self) -> None:
         for layer in self.model.layers[self.model.start:self.model.end]:
             layer.self_attn.absorb_weights()

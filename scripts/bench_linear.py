@@ -1,9 +1,13 @@
-"""bf16 linear on CPU: F.linear against the oneDNN-packed path of kernels/cpu_linear.py. Not a test.
+"""bf16 linear on CPU, against F.linear. Not a test.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py                # oneDNN-packed bf16 (AVX512)
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py --bf16-weights  # bf16 weight, float32 x (AVX2)
 
 Microseconds per call for one [out, in] weight at several row counts, cycling over --weights distinct
-weights so they do not stay in cache (as in a decode step, which reads each weight once).
+weights so they do not stay in cache (as in a decode step, which reads each weight once). Default: the
+oneDNN-packed path of kernels/cpu_linear.py against F.linear, both bf16. --bf16-weights: the bf16-weight
+kernel of kernels/cpu_bf16w.py (float32 x) against F.linear on the same weights held in float32, which
+is what a CPU without bf16 arithmetic would otherwise run.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import cpu_linear  # noqa: E402
+from kernels import cpu_bf16w, cpu_linear  # noqa: E402
 
 
 def per_call_us(fn, calls: int, repeats: int = 5) -> float:
@@ -35,19 +39,28 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=2, default=[512, 512], metavar=("OUT", "IN"))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--weights", type=int, default=64)
+    ap.add_argument("--bf16-weights", action="store_true", help="float32 x with bf16 weights (kernels/cpu_bf16w.py)")
     args = ap.parse_args()
     ws = [torch.randn(*args.shape, dtype=torch.bfloat16) for _ in range(args.weights)]
-    packed = [cpu_linear.pack(w) for w in ws]
-    if packed[0] is None:
-        raise SystemExit("oneDNN packing is not available in this torch build")
+    if args.bf16_weights:
+        if not cpu_bf16w.available():
+            raise SystemExit("the bf16-weight kernel cannot be built here (needs x86-64 with AVX2 + FMA and cc)")
+        ref_ws, x_dtype, what = [w.float() for w in ws], torch.float32, "bf16-weight kernel"
+        new_fn = cpu_bf16w.linear
+    else:
+        packed = [cpu_linear.pack(w) for w in ws]
+        if packed[0] is None:
+            raise SystemExit("oneDNN bf16 packing is not available on this CPU / torch build")
+        ref_ws, x_dtype, what = ws, torch.bfloat16, "packed"
+        by_id = {id(w): p for w, p in zip(ws, packed)}
+        new_fn = lambda x, w: cpu_linear.linear(x, w, by_id[id(w)])  # noqa: E731
     print(f"weight {args.shape[0]}x{args.shape[1]} bf16, {args.weights} weights, {torch.get_num_threads()} thread(s)")
-    print(f"{'rows':>6} {'F.linear us':>12} {'packed us':>10} {'ratio':>6}")
+    print(f"{'rows':>6} {'F.linear us':>12} {what + ' us':>22} {'ratio':>6}")
     for m in args.rows:
-        x = torch.randn(m, args.shape[1], dtype=torch.bfloat16)
-        ref = per_call_us(lambda: [F.linear(x, w) for w in ws], len(ws))
-        new = per_call_us(lambda: [cpu_linear.linear(x, w, p) for w, p in zip(ws, packed)], len(ws))
-        print(f"{m:>6} {ref:>12.1f} {new:>10.1f} {ref / new:>5.2f}x")
-
+        x = torch.randn(m, args.shape[1], dtype=x_dtype)
+        ref = per_call_us(lambda: [F.linear(x, w) for w in ref_ws], len(ws))
+        new = per_call_us(lambda: [new_fn(x, w) for w in ws], len(ws))
+        print(f"{m:>6} {ref:>12.1f} {new:>22.1f} {ref / new:>5.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,7 @@ from server.block_manager import BlockManager
 from server.config import EngineConfig
 from server.outputs import CompletionOutput, RequestOutput
 from server.request import Request, RequestStatus
-from server.runner import ModelRunner, compute_dtype
+from server.runner import ModelRunner
 from server.sampler import SampleResult
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -87,7 +87,7 @@ class LLMEngine:
         if not moe_layers:
             return None
         if config.num_redundant_experts:
-            slot_bytes = 3 * mc.hidden_size * mc.moe_intermediate_size * compute_dtype(self.dtype, self.parallel.device).itemsize
+            slot_bytes = 3 * mc.hidden_size * mc.moe_intermediate_size * self.dtype.itemsize
             log.info("%d redundant expert slots per MoE layer: %.1f MiB more per EP rank over %d layers",
                      config.num_redundant_experts,
                      config.num_redundant_experts * slot_bytes * len(moe_layers) / pcfg.ep_size / 2**20, len(moe_layers))

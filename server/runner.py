@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_bf16w
 from kernels.cpu_linear import bf16_supported
 from moe.attention import AttentionMetadata, PrefillSeq
 from moe.config import ModelConfig
@@ -33,8 +34,9 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype the model computes in for weights of `dtype`. On a CPU without bf16 arithmetic (AVX2
     only), torch's bf16 matmuls fall back to scalar loops, 3-10x slower than float32 there (17x for the
     latent-attention bmm), so bf16 computes in float32 on the same bf16 values instead, as vLLM's CPU
-    kernels widen bf16 to float32 on such CPUs: weights are rounded to bf16 and held as float32 (twice
-    the memory), the KV cache stays bf16."""
+    kernels widen bf16 to float32 on such CPUs: the linear and expert weights stay bf16 and are widened
+    as they are used (kernels/cpu_bf16w.py), the other weights are bf16-rounded and held in float32, the
+    KV cache stays bf16."""
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_supported():
         return torch.float32
     return dtype
@@ -60,8 +62,9 @@ class ModelRunner:
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, state.device, block_size
         self.compute_dtype = compute_dtype(dtype, state.device)
         if self.compute_dtype != dtype:
-            log.info("this CPU has no bf16 arithmetic (no AVX512/AVX-NE-CONVERT): computing in float32 on "
-                     "bf16-rounded weights (2x weight memory); KV cache in bf16")
+            log.info("this CPU has no bf16 arithmetic (no AVX512/AVX-NE-CONVERT): computing in float32 on bf16 "
+                     "weights (widened as used; bf16-weight kernel: %s); KV cache in bf16",
+                     "yes" if cpu_bf16w.available() else "no, F.linear on widened copies")
         self.pp = state.pp
         pcfg = state.config
         layer_range = stage_layer_range(cfg.num_hidden_layers, pcfg.pipeline_parallel_size, state.coords.pp_rank)
@@ -78,6 +81,8 @@ class ModelRunner:
                 torch.set_default_dtype(prev)
             self.model.requires_grad_(False)
             load_checkpoint(self.model, model_dir, cfg, weight_dtype=dtype)
+            if self.compute_dtype != dtype:
+                self.model.hold_weights_in(dtype)
             self.model.eval()
         with self.startup.phase("kv_cache"):
             # One latent cache tensor per local layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
