@@ -4,9 +4,10 @@ without bf16 arithmetic (server/runner.compute_dtype).
 There torch's bf16 matmuls are scalar loops, so the model computes in float32 while its linear and expert
 weights stay bf16: half the memory, and at decode sizes, where a linear reads its whole weight for a few
 rows, half the bytes. Up to MAX_ROWS rows go through csrc/linear_bf16w.c, an AVX2 kernel that widens the
-weight in registers: 1.8-2.7x faster than the same weight in float32 through MKL at 1-8 rows and 1.4x at
-16, one thread (scripts/bench_linear.py; docs/benchmarks.md); from ~24 rows MKL is faster, so larger
-inputs widen the weight to float32 and call F.linear. The reference is F.linear(x, w.float(), b).
+weight in registers: 1.8-2.7x faster than the same weight held in float32 through MKL at 1-8 rows and 1.4x
+at 16, one thread (scripts/bench_linear.py --bf16-weights; docs/benchmarks.md). Larger inputs widen the
+weight to a float32 copy and call F.linear (MKL), which catches up with the kernel at 48-64 rows. The
+reference is F.linear(x, w.float(), b).
 
 The C file is compiled once per machine with the system C compiler into a cache folder (no Python or
 torch headers; about a second) and called through ctypes. Without a compiler, or on a CPU without AVX2
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # above this MKL on the widened weight is faster (crossover measured at 16-24 rows)
+MAX_ROWS = 40  # beyond, MKL on a widened copy is as fast (kernel 1.1-1.5x faster at 24-32 rows, even at 48-64)
 SOURCE = Path(__file__).parent / "csrc" / "linear_bf16w.c"
 _I64 = ctypes.c_int64
 

@@ -40,9 +40,9 @@ def linear(x_TI: torch.Tensor, weight_OI: torch.Tensor, packed: torch.Tensor | N
            bias_O: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), through the packed weight when there is one (and x matches its dtype); for float32 x and
     a bf16 weight (bf16 on a CPU without bf16 arithmetic), through kernels/cpu_bf16w.py; else F.linear."""
+    if x_TI.device.type == "cpu" and x_TI.dtype == torch.float32 and weight_OI.dtype == torch.bfloat16:
+        return cpu_bf16w.linear(x_TI, weight_OI, bias_O)
     if packed is None or x_TI.dtype != weight_OI.dtype or x_TI.device.type != "cpu":
-        if weight_OI.dtype == torch.bfloat16 and x_TI.dtype == torch.float32 and x_TI.device.type == "cpu":
-            return cpu_bf16w.linear(x_TI, weight_OI, bias_O)
         return F.linear(x_TI, weight_OI, bias_O)
     rows_TI = x_TI.reshape(-1, x_TI.shape[-1]).contiguous()
     y = torch.ops.mkldnn._linear_pointwise(rows_TI, packed, bias_O, "none", [], "")

@@ -80,8 +80,9 @@ class ModelRunner:
             finally:
                 torch.set_default_dtype(prev)
             self.model.requires_grad_(False)
-            load_checkpoint(self.model, model_dir, cfg, weight_dtype=dtype)
-            if self.compute_dtype != dtype:
+            widened = self.compute_dtype != dtype
+            load_checkpoint(self.model, model_dir, cfg, weight_dtype=dtype if widened else None)
+            if widened:
                 self.model.hold_weights_in(dtype)
             self.model.eval()
         with self.startup.phase("kv_cache"):
