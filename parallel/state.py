@@ -184,8 +184,19 @@ def init_parallel(
             pg = dist.new_group(list(ranks), timeout=timeout, backend=backend) if len(ranks) > 1 else None
             if rank in ranks:
                 groups[axis] = Group(axis, ranks, rank, pg, device, watchdog if pg is not None else None)
-    return ParallelState(config, rank_coordinates(rank, tp, dp, pp), local_rank, device, world, cpu,
-                         groups["tp"], groups["dp"], groups["pp"], groups["ep"], watchdog)
+    state = ParallelState(config, rank_coordinates(rank, tp, dp, pp), local_rank, device, world, cpu,
+                          groups["tp"], groups["dp"], groups["pp"], groups["ep"], watchdog)
+    atexit.register(_close_at_exit, state)  # runs before the drain registered above (atexit is LIFO)
+    return state
+
+
+def _close_at_exit(state: ParallelState) -> None:
+    """At interpreter exit, once the backend holds none of our tensors (nothing in flight), destroy the
+    process groups, so gloo's worker threads are joined while the interpreter is whole rather than torn
+    down during finalisation (which can abort a finished job: "terminate called without an active
+    exception"). If something is still in flight, leave them: joining could wait for a collective's timeout."""
+    if comm.drain():
+        shutdown(state)
 
 
 def rank_table(state: ParallelState) -> str | None:
