@@ -92,19 +92,18 @@ def reference(x_MK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | Non
     return F.linear(x_MK, w_OK.float(), None if bias_O is None else bias_O.float())
 
 
-def _kernel_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor) -> bool:
-    """out = x w^T through the C kernel, if this call fits it (float32 x and out with unit column stride,
-    bf16 w with contiguous rows, at most MAX_ROWS rows, CPU); False (nothing written) otherwise."""
+def _fits(x_MK: torch.Tensor, w_OK: torch.Tensor) -> bool:
+    """Whether x w^T can go through the C kernel: float32 x with unit column stride, a bf16 w with
+    contiguous rows, 1 to MAX_ROWS rows, on CPU, and the kernel built."""
+    return (0 < x_MK.shape[0] <= MAX_ROWS and x_MK.dtype == torch.float32 and w_OK.dtype == torch.bfloat16
+            and x_MK.device.type == "cpu" and x_MK.stride(1) == 1 and w_OK.stride(1) == 1 and _lib() is not None)
+
+
+def _kernel_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor) -> None:
+    """out = x w^T through the C kernel; the caller checked `_fits` (out: float32, unit column stride)."""
     M, K = x_MK.shape
-    if not (0 < M <= MAX_ROWS and x_MK.dtype == out_MO.dtype == torch.float32 and w_OK.dtype == torch.bfloat16
-            and x_MK.device.type == "cpu" and x_MK.stride(1) == 1 and w_OK.stride(1) == 1 and out_MO.stride(1) == 1):
-        return False
-    lib = _lib()
-    if lib is None:
-        return False
-    lib.linear_bf16w(x_MK.data_ptr(), x_MK.stride(0), w_OK.data_ptr(), w_OK.stride(0), out_MO.data_ptr(),
-                     out_MO.stride(0), M, K, w_OK.shape[0])
-    return True
+    _lib().linear_bf16w(x_MK.data_ptr(), x_MK.stride(0), w_OK.data_ptr(), w_OK.stride(0), out_MO.data_ptr(),
+                        out_MO.stride(0), M, K, w_OK.shape[0])
 
 
 def linear(x_TK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,9 +111,10 @@ def linear(x_TK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None =
     rows_MK = x_TK.reshape(-1, x_TK.shape[-1])
     if rows_MK.stride(-1) != 1:
         rows_MK = rows_MK.contiguous()
-    y_MO = rows_MK.new_empty(rows_MK.shape[0], w_OK.shape[0])
-    if not _kernel_into(rows_MK, w_OK, y_MO):
+    if not _fits(rows_MK, w_OK):
         return reference(x_TK, w_OK, bias_O)
+    y_MO = rows_MK.new_empty(rows_MK.shape[0], w_OK.shape[0])
+    _kernel_into(rows_MK, w_OK, y_MO)
     if bias_O is not None:
         y_MO += bias_O
     return y_MO.view(*x_TK.shape[:-1], w_OK.shape[0])
@@ -122,5 +122,7 @@ def linear(x_TK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None =
 
 def mm_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor) -> None:
     """out = x w^T for float32 x and out and a bf16 w (an expert's GEMM in kernels/fused_moe_torch.py)."""
-    if not _kernel_into(x_MK, w_OK, out_MO):
+    if _fits(x_MK, w_OK) and out_MO.dtype == torch.float32 and out_MO.stride(1) == 1:
+        _kernel_into(x_MK, w_OK, out_MO)
+    else:
         torch.mm(x_MK, w_OK.float().t(), out=out_MO)

@@ -62,5 +62,6 @@ def main() -> None:
         new = per_call_us(lambda: [new_fn(x, w) for w in ws], len(ws))
         print(f"{m:>6} {ref:>12.1f} {new:>22.1f} {ref / new:>5.2f}x")
 
+
 if __name__ == "__main__":
     main()
