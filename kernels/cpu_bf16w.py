@@ -9,79 +9,24 @@ at 16, one thread (scripts/bench_linear.py --bf16-weights; docs/benchmarks.md). 
 weight to a float32 copy and call F.linear (MKL), which catches up with the kernel at 48-64 rows. The
 reference is F.linear(x, w.float(), b).
 
-The C file is compiled once per machine with the system C compiler into a cache folder (no Python or
-torch headers; about a second) and called through ctypes. Without a compiler, or on a CPU without AVX2
-and FMA, every call takes the F.linear path: the same results, slower.
+kernels/cpu_build.py compiles the C once per machine and loads it through ctypes. Without a compiler, or on
+a CPU without AVX2 and FMA, every call takes the F.linear path: the same results, slower.
 
 Legend: M rows, K in features, O out features.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from kernels import cpu_build
 
 MAX_ROWS = 40  # beyond, MKL on a widened copy is as fast (kernel 1.1-1.5x faster at 24-32 rows, even at 48-64)
-SOURCE = Path(__file__).parent / "csrc" / "linear_bf16w.c"
-_I64 = ctypes.c_int64
 
 
-def _cpu_has(*flags: str) -> bool:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    have = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
-    return all(f in have for f in flags)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MOE_KERNEL_CACHE") or Path.home() / ".cache" / "moe-serve" / "kernels")
-
-
-@functools.cache
-def _lib() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first use, then reused from the cache folder), or None if it cannot be."""
-    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx2", "fma"):
-        return None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    source = SOURCE.read_bytes()
-    flags = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
-    tag = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-    so = cache_dir() / f"linear_bf16w-{tag}.so"
-    try:
-        if not so.exists():
-            if cc is None:
-                raise RuntimeError("no C compiler (cc or gcc) on PATH")
-            so.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)  # several ranks may build at once
-            os.close(fd)
-            r = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                os.unlink(tmp)
-                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:300]}")
-            os.replace(tmp, so)
-            log.info("built %s", so)
-        lib = ctypes.CDLL(str(so))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        log.warning("bf16-weight CPU kernel unavailable (%s); bf16 weights are widened for F.linear instead", err)
-        return None
-    lib.linear_bf16w.argtypes = [ctypes.c_void_p, _I64, ctypes.c_void_p, _I64, ctypes.c_void_p, _I64, _I64, _I64, _I64]
-    lib.linear_bf16w.restype = None
-    return lib
+def _lib():
+    return cpu_build.lib()
 
 
 def available() -> bool:
@@ -126,3 +71,16 @@ def mm_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor) -> Non
         _kernel_into(x_MK, w_OK, out_MO)
     else:
         torch.mm(x_MK, w_OK.float().t(), out=out_MO)
+
+
+def bmm(x_BMK: torch.Tensor, w_BOK: torch.Tensor) -> torch.Tensor:
+    """out[b] = x[b] w[b]^T for float32 x (unit column stride) and a bf16 w with contiguous rows (per-head
+    weights: MLA's W_UK / W_UV absorption); float32 out [B, M, O]."""
+    B, M, K = x_BMK.shape
+    O = w_BOK.shape[1]
+    if not (_fits(x_BMK[0], w_BOK[0]) and w_BOK.stride(2) == 1):
+        return torch.bmm(x_BMK, w_BOK.float().transpose(1, 2))
+    y_BMO = x_BMK.new_empty(B, M, O)
+    _lib().linear_bf16w_batched(x_BMK.data_ptr(), x_BMK.stride(1), x_BMK.stride(0), w_BOK.data_ptr(),
+                                w_BOK.stride(1), w_BOK.stride(0), y_BMO.data_ptr(), O, M * O, M, K, O, B)
+    return y_BMO

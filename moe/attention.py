@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kernels import cpu_bf16w, cpu_mla
 from moe.config import ModelConfig
 from moe.layers import RMSNorm, RotaryEmbedding
 from moe.parallel_linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, group_rank_size
@@ -102,6 +103,14 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(N_all * self.v_dim, H, tp_group)
         self.w_uk_NDC: torch.Tensor | None = None
         self.w_uv_NVC: torch.Tensor | None = None
+        self.w_uk_NCD: torch.Tensor | None = None  # set by hold_absorbed_in: narrower weights, widened as used
+
+    def hold_absorbed_in(self, dtype: torch.dtype) -> None:
+        """Keep W_UK (as [N, C, Dn]) and W_UV in `dtype` for the CPU kernels that widen them as they compute
+        (kernels/cpu_bf16w.py), with the latent attention through kernels/cpu_mla.py."""
+        self.w_uk_NCD = self.w_uk_NDC.transpose(1, 2).to(dtype).contiguous()
+        self.w_uv_NVC = self.w_uv_NVC.to(dtype)
+        self.w_uk_NDC = None
 
     def absorb_weights(self) -> None:
         """Split kv_b_proj into the per-head up-projections used in the absorbed form (after loading)."""
@@ -129,11 +138,22 @@ class MLAttention(nn.Module):
         if meta.num_decodes:
             idx_B = meta.decode_token_idx_B
             # Absorb W_UK: q_lat[b, n] = W_UK[n]^T q_nope[b, n]; attend in latent space; lift out with W_UV.
-            q_lat_BNC = torch.bmm(q_nope_TND[idx_B].transpose(0, 1), self.w_uk_NDC).transpose(0, 1)
+            if self.w_uk_NCD is None:
+                q_lat_BNC = torch.bmm(q_nope_TND[idx_B].transpose(0, 1), self.w_uk_NDC).transpose(0, 1)
+            else:
+                q_lat_BNC = cpu_bf16w.bmm(q_nope_TND[idx_B].transpose(0, 1), self.w_uk_NCD).transpose(0, 1)
             q_BNK = torch.cat((q_lat_BNC, q_pe_TNR[idx_B]), dim=-1)
-            out_lat_BNC = torch.cat([self._decode(q_BNK[start:end], kv_cache_NBD, meta, start, end, blocks)
-                                     for start, end, blocks in meta.groups()])
-            out_TNV[idx_B] = torch.bmm(out_lat_BNC.transpose(0, 1), self.w_uv_NVC.transpose(1, 2)).transpose(0, 1)
+            if self.w_uk_NCD is not None and cpu_mla.fits(q_BNK, kv_cache_NBD):
+                out_lat_BNC = cpu_mla.mla_decode(q_BNK, kv_cache_NBD, meta.decode_block_tables_BM,
+                                                 meta.decode_context_lens_B, C, self.scale)
+            else:
+                out_lat_BNC = torch.cat([self._decode(q_BNK[start:end], kv_cache_NBD, meta, start, end, blocks)
+                                         for start, end, blocks in meta.groups()])
+            if self.w_uk_NCD is None:
+                out_BNV = torch.bmm(out_lat_BNC.transpose(0, 1), self.w_uv_NVC.transpose(1, 2)).transpose(0, 1)
+            else:
+                out_BNV = cpu_bf16w.bmm(out_lat_BNC.transpose(0, 1), self.w_uv_NVC).transpose(0, 1)
+            out_TNV[idx_B] = out_BNV
         for seq in meta.prefills:
             rows = slice(seq.token_start, seq.token_start + seq.num_query)
             out_TNV[rows] = self._prefill(q_nope_TND[rows], q_pe_TNR[rows], kv_cache_NBD, seq)

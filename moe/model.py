@@ -205,6 +205,8 @@ class DeepseekForCausalLM(nn.Module):
         for block in self.moe_blocks().values():
             block.experts.w13.data = block.experts.w13.data.to(dtype)
             block.experts.w2.data = block.experts.w2.data.to(dtype)
+        for layer in self.model.layers[self.model.start:self.model.end]:
+            layer.self_attn.hold_absorbed_in(dtype)
 
     def after_loading(self) -> None:
         for layer in self.model.layers[self.model.start:self.model.end]:

@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_bf16w, fused_moe, fused_moe_reference
+from kernels import cpu_bf16w, cpu_build, fused_moe, fused_moe_reference
 
-CAN_BUILD = (platform.machine() == "x86_64" and cpu_bf16w._cpu_has("avx2", "fma")
+CAN_BUILD = (platform.machine() == "x86_64" and cpu_build.cpu_has("avx2", "fma")
              and (shutil.which("cc") or shutil.which("gcc")) is not None)
 
 

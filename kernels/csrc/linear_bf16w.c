@@ -1,33 +1,15 @@
-/* y = x w^T for float32 x and bf16 w, float32 accumulation, on AVX2 + FMA: the decode-size linear of a bf16
- * model on a CPU without bf16 arithmetic (kernels/cpu_bf16w.py builds this file and holds its reference).
+/* y = x w^T for float32 x and bf16 w, float32 accumulation, on AVX2 + FMA: the linear of a bf16 model on a
+ * CPU without bf16 arithmetic (kernels/cpu_bf16w.py holds its reference).
  *
- * A few rows of x against a weight read once from memory: the weight is loaded as bf16 (2 bytes a value,
- * half a float32 copy) and widened in registers (bf16 is the top half of a float32). Rows go in blocks of
- * up to 8, each weight row (o) against every row of the block; a block of MB rows keeps MB x U
- * accumulators of 8 lanes, U independent chains over k so FMA latency does not serialise one row.
+ * The weight is loaded as bf16 (2 bytes a value, half a float32 copy) and widened in registers. Rows go in
+ * blocks of up to 8, each weight row (o) against every row of the block; a block of MB rows keeps MB x U
+ * accumulators of 8 lanes, U independent chains over k so FMA latency does not serialise one row. With more
+ * than 8 rows the weight goes in tiles of about 64 KiB, each tile against every block of rows, so it is
+ * read from memory once and from cache by the other blocks.
  *
  * Shapes: x [M, K] (row stride ldx), w [O, K] (bf16 bits, row stride ldw), y [M, O] (row stride ldy).
  */
-#include <immintrin.h>
-#include <stdint.h>
-
-static inline __m256 load_bf16x8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
+#include "bf16w.h"
 
 #define BLOCK(MB, U)                                                                                    \
     static void block_##MB(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,     \
@@ -72,10 +54,25 @@ BLOCK(8, 1)
 typedef void (*block_fn)(const float *, int64_t, const uint16_t *, int64_t, float *, int64_t, int64_t, int64_t);
 static const block_fn BLOCKS[9] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8};
 
+#define TILE_BYTES (64 << 10)
+
 void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                   int64_t M, int64_t K, int64_t O) {
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        int64_t mb = M - m0 < 8 ? M - m0 : 8;
-        BLOCKS[mb](x + m0 * ldx, ldx, w, ldw, y + m0 * ldy, ldy, K, O);
+    int64_t tile = M <= 8 ? O : TILE_BYTES / (2 * (K > 0 ? K : 1));
+    if (tile < 8) tile = 8;
+    for (int64_t o0 = 0; o0 < O; o0 += tile) {
+        int64_t ot = O - o0 < tile ? O - o0 : tile;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            int64_t mb = M - m0 < 8 ? M - m0 : 8;
+            BLOCKS[mb](x + m0 * ldx, ldx, w + o0 * ldw, ldw, y + m0 * ldy + o0, ldy, K, ot);
+        }
     }
+}
+
+/* The same for a batch of independent products (per-head weights): x, w and y of batch b start at
+ * x + b * bsx, w + b * bsw and y + b * bsy. */
+void linear_bf16w_batched(const float *x, int64_t ldx, int64_t bsx, const uint16_t *w, int64_t ldw, int64_t bsw,
+                          float *y, int64_t ldy, int64_t bsy, int64_t M, int64_t K, int64_t O, int64_t batch) {
+    for (int64_t b = 0; b < batch; b++)
+        linear_bf16w(x + b * bsx, ldx, w + b * bsw, ldw, y + b * bsy, ldy, M, K, O);
 }

@@ -1,0 +1,67 @@
+"""MLA decode attention over a paged bf16 latent cache with float32 queries, on CPU: how `--dtype bfloat16`
+attends on a CPU without bf16 arithmetic (server/runner.compute_dtype), through csrc/mla_decode_bf16.c.
+
+In torch that step gathers each sequence's cache blocks, widens them to float32, and runs two bmm, a
+masked softmax and a concatenation per layer; the kernel reads each cached row in place, twice (scores,
+then values). `reference` is the same computation in torch, the test oracle.
+
+Legend: B decode sequences, N heads, D = C + R cached dims per token (latent C, rope key R), M blocks per
+row of the block table, L context length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_build
+
+
+def available() -> bool:
+    return cpu_build.lib() is not None
+
+
+def fits(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor) -> bool:
+    """Whether the kernel takes these inputs: float32 queries with unit stride within a head, a contiguous
+    bf16 cache on CPU, and the kernels built."""
+    return (q_BND.dtype == torch.float32 and kv_cache_NbD.dtype == torch.bfloat16 and q_BND.device.type == "cpu"
+            and q_BND.stride(2) == 1 and kv_cache_NbD.is_contiguous() and available())
+
+
+def reference(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM: torch.Tensor,
+              context_lens_B: torch.Tensor, latent_dim: int, scale: float) -> torch.Tensor:
+    """out[b, n] = softmax(scale * q[b, n] . kv[l]) over the context of b, times kv[l, :latent_dim]."""
+    B, N, D = q_BND.shape
+    bs = kv_cache_NbD.shape[1]
+    out_BNC = q_BND.new_zeros(B, N, latent_dim)
+    for b in range(B):
+        L = int(context_lens_B[b])
+        if L == 0:
+            continue
+        blocks = block_tables_BM[b, : (L + bs - 1) // bs]
+        kv_LD = kv_cache_NbD[blocks].reshape(-1, D)[:L].float()
+        probs_NL = (q_BND[b] @ kv_LD.t() * scale).softmax(dim=-1)
+        out_BNC[b] = probs_NL @ kv_LD[:, :latent_dim]
+    return out_BNC
+
+
+def mla_decode(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM: torch.Tensor,
+               context_lens_B: torch.Tensor, latent_dim: int, scale: float) -> torch.Tensor:
+    """As `reference`; through the C kernel where `fits`. Block tables and lengths: int64 on CPU."""
+    if not fits(q_BND, kv_cache_NbD):
+        return reference(q_BND, kv_cache_NbD, block_tables_BM, context_lens_B, latent_dim, scale)
+    B, N, D = q_BND.shape
+    tables_BM = block_tables_BM.to(torch.int64).contiguous()
+    lens_B = context_lens_B.to(torch.int64).contiguous()
+    out_BNC = q_BND.new_empty(B, N, latent_dim)
+    if B == 0:
+        return out_BNC
+    max_len = int(lens_B.max())
+    if max_len > tables_BM.shape[1] * kv_cache_NbD.shape[1]:
+        raise ValueError(f"a context of {max_len} tokens does not fit {tables_BM.shape[1]} blocks of "
+                         f"{kv_cache_NbD.shape[1]}")
+    scratch = q_BND.new_empty(N * max(max_len, 1))
+    cpu_build.lib().mla_decode_bf16(
+        q_BND.data_ptr(), q_BND.stride(0), q_BND.stride(1), kv_cache_NbD.data_ptr(), kv_cache_NbD.shape[1], D,
+        tables_BM.data_ptr(), tables_BM.stride(0), lens_B.data_ptr(), out_BNC.data_ptr(), out_BNC.stride(0),
+        out_BNC.stride(1), B, N, latent_dim, scale, scratch.data_ptr())
+    return out_BNC

@@ -1,0 +1,130 @@
+/* Decode attention of MLA in the absorbed form over a paged bf16 latent cache, float32 queries and
+ * arithmetic, on AVX2 + FMA (kernels/cpu_mla.py holds its torch reference).
+ *
+ * For each decode sequence b with context length L = lens[b] and each local head n:
+ *   s[l]        = scale * q[b, n, :] . kv[l, :]            (all D = C + R cached dims, l < L)
+ *   out[b, n, :] = sum_l softmax(s)[l] * kv[l, :C]          (the latent part of each cached row)
+ * where kv[l] is row l % bs of cache block tables[b, l / bs]. Each cached row is read once for the scores
+ * (against all N heads at a time) and once for the values, straight from the cache: no gather, no float32
+ * copy of the context.
+ *
+ * Shapes: q [B, N, D] (strides ldq_b, ldq_n; unit stride within a row), cache [num_blocks, bs, D] bf16
+ * contiguous, tables [B, >= ceil(L / bs)] int64 (row stride ld_t), lens [B] int64, out [B, N, C] (strides
+ * ldo_b, ldo_n). scratch holds N * max(lens) floats.
+ */
+#include "bf16w.h"
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
+ * a degree-6 polynomial; relative error about 2e-7. Values below -87 give 0. */
+static inline __m256 exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* s[0..L) <- exp(s - max) / sum, in place. */
+static void softmax_inplace(float *s, int64_t L) {
+    float mx = s[0];
+    for (int64_t l = 1; l < L; l++) mx = s[l] > mx ? s[l] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    int64_t l = 0;
+    for (; l + 8 <= L; l += 8) {
+        __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + l), vmx));
+        _mm256_storeu_ps(s + l, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    if (l < L) {
+        float tail[8] = {0};
+        for (int64_t i = l; i < L; i++) tail[i - l] = s[i] - mx;
+        for (int64_t i = L - l; i < 8; i++) tail[i] = -100.0f;  /* exp gives 0 */
+        _mm256_storeu_ps(tail, exp_neg(_mm256_loadu_ps(tail)));
+        for (int64_t i = l; i < L; i++) { s[i] = tail[i - l]; sum += tail[i - l]; }
+    }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < L; i++) s[i] *= inv;
+}
+
+/* o[n, 0..C) += sum over the rows r of p[n, r] * row_r[0..C), for `rows` consecutive cached rows (stride D)
+ * and N heads; p has row stride ldp, o row stride ldo. Four rows at a time: each o chunk is loaded and
+ * stored once per four rows. */
+static void weighted_rows(const float *p, int64_t ldp, const uint16_t *kv, int64_t D, int64_t rows,
+                          float *o, int64_t ldo, int64_t N, int64_t C) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const uint16_t *k0 = kv + r * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+        int64_t c = 0;
+        for (; c + 8 <= C; c += 8) {
+            __m256 w0 = load_bf16x8(k0 + c), w1 = load_bf16x8(k1 + c), w2 = load_bf16x8(k2 + c),
+                   w3 = load_bf16x8(k3 + c);
+            for (int64_t n = 0; n < N; n++) {
+                const float *pn = p + n * ldp + r;
+                __m256 acc = _mm256_loadu_ps(o + n * ldo + c);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(pn[0]), w0, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(pn[1]), w1, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(pn[2]), w2, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(pn[3]), w3, acc);
+                _mm256_storeu_ps(o + n * ldo + c, acc);
+            }
+        }
+        for (; c < C; c++)
+            for (int64_t n = 0; n < N; n++) {
+                const float *pn = p + n * ldp + r;
+                o[n * ldo + c] += pn[0] * bf16_to_f32(k0[c]) + pn[1] * bf16_to_f32(k1[c]) +
+                                  pn[2] * bf16_to_f32(k2[c]) + pn[3] * bf16_to_f32(k3[c]);
+            }
+    }
+    for (; r < rows; r++) {
+        const uint16_t *k0 = kv + r * D;
+        int64_t c = 0;
+        for (; c + 8 <= C; c += 8) {
+            __m256 w0 = load_bf16x8(k0 + c);
+            for (int64_t n = 0; n < N; n++) {
+                __m256 acc = _mm256_loadu_ps(o + n * ldo + c);
+                _mm256_storeu_ps(o + n * ldo + c, _mm256_fmadd_ps(_mm256_set1_ps(p[n * ldp + r]), w0, acc));
+            }
+        }
+        for (; c < C; c++)
+            for (int64_t n = 0; n < N; n++) o[n * ldo + c] += p[n * ldp + r] * bf16_to_f32(k0[c]);
+    }
+}
+
+void mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
+                     const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
+                     int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale, float *scratch) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *qb = q + b * ldq_b;
+        float *ob = out + b * ldo_b;
+        int64_t L = lens[b];
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
+        if (L <= 0) continue;
+        const int64_t *table = tables + b * ld_t;
+        for (int64_t l0 = 0; l0 < L; l0 += bs) {  /* scores, one cache block at a time */
+            int64_t rows = L - l0 < bs ? L - l0 : bs;
+            linear_bf16w(qb, ldq_n, cache + table[l0 / bs] * bs * D, D, scratch + l0, L, N, D, rows);
+        }
+        for (int64_t n = 0; n < N; n++) {
+            float *s = scratch + n * L;
+            for (int64_t l = 0; l < L; l++) s[l] *= scale;
+            softmax_inplace(s, L);
+        }
+        for (int64_t l0 = 0; l0 < L; l0 += bs) {  /* probabilities times the latent rows */
+            int64_t rows = L - l0 < bs ? L - l0 : bs;
+            weighted_rows(scratch + l0, L, cache + table[l0 / bs] * bs * D, D, rows, ob, ldo_n, N, C);
+        }
+    }
+}

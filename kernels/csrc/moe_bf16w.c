@@ -1,0 +1,83 @@
+/* Routed experts with bf16 weights and float32 activations on AVX2 + FMA, in one call (the torch path's
+ * sort, gather, grouped GEMMs and scatter of kernels/fused_moe_torch.py; reference: kernels/reference.py).
+ *
+ *   out[t] = sum_k wts[t, k] * w2[e] (silu(gate) * up),  gate | up = w13[e] x[t],  e = ids[t, k] != -1
+ *
+ * Pairs (t, k) are counted into expert order (stable), then each expert's rows, up to CHUNK at a time,
+ * are gathered, multiplied by w13[e] and w2[e] through linear_bf16w (which reads each weight once for all
+ * the rows) and added into out in that order. Scratch grows per thread as needed and is kept.
+ *
+ * Shapes: x [T, H] (row stride ldx), w13 [E, 2I, H] and w2 [E, H, I] bf16 contiguous, ids [T, K] int64
+ * and wts [T, K] float32 contiguous, out [T, H] float32 contiguous (overwritten).
+ * Returns 0; 1 + the index of the first pair whose id lies outside [-1, E) (nothing computed then); or -1
+ * when the scratch memory cannot be had.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16w.h"
+
+#define CHUNK 256
+
+static __thread void *scratch;
+static __thread size_t scratch_bytes;
+
+static void *grow(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_bytes = scratch ? bytes : 0;
+    }
+    return scratch;
+}
+
+int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint16_t *w13, const uint16_t *w2,
+                  int64_t E, int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out) {
+    int64_t N = T * K;
+    for (int64_t i = 0; i < N; i++)
+        if (ids[i] < -1 || ids[i] >= E) return 1 + i;
+    memset(out, 0, (size_t)(T * H) * sizeof(float));
+    size_t rows = N < CHUNK ? (size_t)N : CHUNK;
+    size_t need = (size_t)(E + 1) * sizeof(int64_t) + (size_t)N * sizeof(int64_t) +
+                  rows * (size_t)(H + 2 * I + H) * sizeof(float) + 256;
+    char *buf = grow(need);
+    if (!buf) return -1;
+    int64_t *start = (int64_t *)buf;      /* start[e]: first sorted slot of expert e */
+    int64_t *order = start + (E + 1);     /* sorted slot -> pair index */
+    float *xg = (float *)(((uintptr_t)(order + N) + 63) & ~(uintptr_t)63);
+    float *h = xg + rows * H, *y = h + rows * 2 * I;
+
+    memset(start, 0, (size_t)(E + 1) * sizeof(int64_t));
+    for (int64_t i = 0; i < N; i++)
+        if (ids[i] >= 0) start[ids[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t i = 0; i < N; i++)  /* stable: pairs of one expert stay in token order */
+        if (ids[i] >= 0) order[start[ids[i]]++] = i;
+    for (int64_t e = E; e > 0; e--) start[e] = start[e - 1];
+    start[0] = 0;
+
+    for (int64_t e = 0; e < E; e++) {
+        const uint16_t *w13e = w13 + e * 2 * I * H, *w2e = w2 + e * H * I;
+        for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += CHUNK) {
+            int64_t R = start[e + 1] - r0 < CHUNK ? start[e + 1] - r0 : CHUNK;
+            for (int64_t r = 0; r < R; r++) memcpy(xg + r * H, x + (order[r0 + r] / K) * ldx, H * sizeof(float));
+            linear_bf16w(xg, H, w13e, H, h, 2 * I, R, H, 2 * I);
+            for (int64_t r = 0; r < R; r++) {  /* h[r, :I] <- silu(gate) * up */
+                float *g = h + r * 2 * I, *u = g + I;
+                for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + __builtin_expf(-g[i])) * u[i];
+            }
+            linear_bf16w(h, 2 * I, w2e, I, y, H, R, I, H);
+            for (int64_t r = 0; r < R; r++) {
+                int64_t pair = order[r0 + r];
+                float *o = out + (pair / K) * H;
+                const float *yr = y + r * H;
+                __m256 wv = _mm256_set1_ps(wts[pair]);
+                int64_t c = 0;
+                for (; c + 8 <= H; c += 8)
+                    _mm256_storeu_ps(o + c, _mm256_fmadd_ps(wv, _mm256_loadu_ps(yr + c), _mm256_loadu_ps(o + c)));
+                for (; c < H; c++) o[c] += wts[pair] * yr[c];
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,93 @@
+"""The CPU kernels behind bf16 on a CPU without bf16 arithmetic equal their torch references: MLA decode
+attention over the paged bf16 cache (kernels/cpu_mla.py), the one-call routed experts (kernels/cpu_moe.py)
+and the per-head absorption products (kernels/cpu_bf16w.bmm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_bf16w, cpu_build, cpu_mla, cpu_moe, fused_moe, fused_moe_reference
+
+needs_kernels = pytest.mark.skipif(cpu_build.lib() is None, reason="no C compiler or no AVX2 + FMA here")
+
+
+def _paged_cache(lens, bs, D, seed):
+    """A bf16 cache whose blocks are handed out in a shuffled order, and the block table of each sequence."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [(L + bs - 1) // bs for L in lens]
+    num_blocks = sum(per_seq) + 3
+    cache = torch.randn(num_blocks, bs, D, generator=g).bfloat16()
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    M = max(per_seq + [1])
+    tables = torch.zeros(len(lens), M, dtype=torch.long)
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    return cache, tables, torch.tensor(lens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("lens,bs,N,C,R", [
+    ([1], 16, 8, 512, 64),          # one token of context
+    ([7, 16, 17, 200], 16, 8, 512, 64),  # partial, exact and multi-block contexts
+    ([33, 5], 4, 3, 20, 6),          # odd head count, C not a multiple of 8 (vector tails)
+    ([130], 128, 16, 64, 16),        # 16 heads: two row blocks of the score product
+])
+def test_mla_decode_equals_reference(lens, bs, N, C, R):
+    cache, tables, lens_B = _paged_cache(lens, bs, C + R, seed=len(lens) * 7 + N)
+    q = torch.randn(len(lens), N, C + R) * 0.3
+    scale = (C + R) ** -0.5
+    out = cpu_mla.mla_decode(q, cache, tables, lens_B, C, scale)
+    torch.testing.assert_close(out, cpu_mla.reference(q, cache, tables, lens_B, C, scale), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernels
+def test_mla_decode_strided_queries_and_peaked_softmax():
+    cache, tables, lens_B = _paged_cache([40, 3], 8, 72, seed=3)
+    q_full = torch.randn(2, 4, 100) * 30  # large scores: probabilities near one-hot, exp underflows to 0
+    q = q_full[:, :, 10:82]  # head stride 100, not 72
+    out = cpu_mla.mla_decode(q, cache, tables, lens_B, 64, 0.2)
+    torch.testing.assert_close(out, cpu_mla.reference(q, cache, tables, lens_B, 64, 0.2), rtol=1e-4, atol=1e-5)
+
+
+def test_mla_decode_refuses_a_context_longer_than_its_table():
+    if cpu_build.lib() is None:
+        pytest.skip("no kernels here")
+    cache, tables, _ = _paged_cache([10], 4, 16, seed=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_mla.mla_decode(torch.randn(1, 2, 16), cache, tables, torch.tensor([13]), 8, 1.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("T,E,K", [(1, 8, 1), (1, 6, 4), (3, 5, 2), (40, 32, 4), (300, 7, 3)])
+def test_one_call_experts_equal_reference(T, E, K):
+    torch.manual_seed(T * 10 + E)
+    H, I = 40, 24
+    x = torch.randn(T, H)
+    w13, w2 = (torch.randn(E, 2 * I, H) / 6).bfloat16(), (torch.randn(E, H, I) / 5).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    ids[::3, 0] = -1  # slots on another rank
+    weights = torch.rand(T, K)
+    assert cpu_moe.fits(x, w13, w2)
+    out = fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out, fused_moe_reference(x, w13.float(), w2.float(), weights, ids),
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids.int()), out)  # int32 ids
+
+
+@needs_kernels
+def test_one_call_experts_reject_bad_ids_and_skip_all_minus_one():
+    x, w13, w2 = torch.randn(2, 16), torch.randn(3, 16, 16).bfloat16(), torch.randn(3, 16, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"must lie in \[-1, 3\)"):
+        fused_moe(x, w13, w2, torch.rand(2, 2), torch.tensor([[0, 1], [3, 0]]))
+    out = fused_moe(x, w13, w2, torch.rand(2, 2), torch.full((2, 2), -1))
+    assert out.shape == (2, 16) and (out == 0).all()
+
+
+@pytest.mark.parametrize("M", [1, 5, 9])
+def test_per_head_products_equal_bmm(M):
+    torch.manual_seed(M)
+    x = torch.randn(M, 4, 24).transpose(0, 1)  # [heads, rows, K], rows strided by heads
+    w = torch.randn(4, 40, 24).bfloat16()
+    torch.testing.assert_close(cpu_bf16w.bmm(x, w), torch.bmm(x, w.float().transpose(1, 2)), rtol=1e-5, atol=1e-4)
