@@ -22,13 +22,15 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
+# With OpenMP the library needs libgomp.so.1, which resolves to the copy torch has already loaded: one
+# thread pool for torch and these kernels, sized by torch.set_num_threads. Without it, one thread.
+OPENMP = ["-fopenmp"]
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name: (argument types, return type)
     "linear_bf16w": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64], None),
     "linear_bf16w_batched": ([_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64], None),
-    "mla_decode_bf16": ([_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P],
-                        None),
+    "mla_decode_bf16": ([_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32], _I64),
     "moe_bf16w": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P], _I64),
 }
 
@@ -57,7 +59,7 @@ def lib() -> ctypes.CDLL | None:
         return None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     files = [*sources(), *sorted(CSRC.glob("*.h"))]
-    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    digest = hashlib.sha256(" ".join(FLAGS + OPENMP).encode())
     for f in files:
         digest.update(f.name.encode() + f.read_bytes())
     so = cache_dir() / f"moe_cpu_kernels-{digest.hexdigest()[:16]}.so"
@@ -69,7 +71,11 @@ def lib() -> ctypes.CDLL | None:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)  # several ranks may build at once
             os.close(fd)
             cmd = [cc, *FLAGS, "-o", tmp, *map(str, sources()), "-lm"]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            r = subprocess.run(cmd[:1] + OPENMP + cmd[1:], capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                log.warning("building the CPU kernels with OpenMP failed (%s); they will use one thread",
+                            r.stderr.strip()[:200])
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 os.unlink(tmp)
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:300]}")

@@ -59,9 +59,10 @@ def mla_decode(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM:
     if max_len > tables_BM.shape[1] * kv_cache_NbD.shape[1]:
         raise ValueError(f"a context of {max_len} tokens does not fit {tables_BM.shape[1]} blocks of "
                          f"{kv_cache_NbD.shape[1]}")
-    scratch = q_BND.new_empty(N * max(max_len, 1))
-    cpu_build.lib().mla_decode_bf16(
+    status = cpu_build.lib().mla_decode_bf16(
         q_BND.data_ptr(), q_BND.stride(0), q_BND.stride(1), kv_cache_NbD.data_ptr(), kv_cache_NbD.shape[1], D,
         tables_BM.data_ptr(), tables_BM.stride(0), lens_B.data_ptr(), out_BNC.data_ptr(), out_BNC.stride(0),
-        out_BNC.stride(1), B, N, latent_dim, scale, scratch.data_ptr())
+        out_BNC.stride(1), B, N, latent_dim, scale)
+    if status:
+        raise MemoryError("mla_decode: no memory for the CPU kernel's scratch")
     return out_BNC

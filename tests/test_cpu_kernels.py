@@ -91,3 +91,30 @@ def test_per_head_products_equal_bmm(M):
     x = torch.randn(M, 4, 24).transpose(0, 1)  # [heads, rows, K], rows strided by heads
     w = torch.randn(4, 40, 24).bfloat16()
     torch.testing.assert_close(cpu_bf16w.bmm(x, w), torch.bmm(x, w.float().transpose(1, 2)), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_kernels_split_over_two_threads_equal_references():
+    """With two threads the large linears split their weight rows, decode attention its sequences and the
+    per-head products their heads; the results must not change."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        x, w = torch.randn(5, 512), torch.randn(1000, 512).bfloat16()  # 1000 rows: not a multiple of 8 per thread
+        torch.testing.assert_close(cpu_bf16w.linear(x, w), cpu_bf16w.reference(x, w), rtol=1e-5, atol=1e-4)
+        xh, wh = torch.randn(3, 8, 64).transpose(0, 1), torch.randn(8, 96, 64).bfloat16()
+        torch.testing.assert_close(cpu_bf16w.bmm(xh, wh), torch.bmm(xh, wh.float().transpose(1, 2)),
+                                   rtol=1e-5, atol=1e-4)
+        cache, tables, lens_B = _paged_cache([5, 40, 17, 1, 90], 16, 72, seed=5)
+        q = torch.randn(5, 4, 72)
+        torch.testing.assert_close(cpu_mla.mla_decode(q, cache, tables, lens_B, 64, 0.1),
+                                   cpu_mla.reference(q, cache, tables, lens_B, 64, 0.1), rtol=1e-4, atol=1e-5)
+        E, H, I = 4, 256, 256  # w13 [512, 256] and w2 [256, 256]: large enough to split
+        xm = torch.randn(9, H)
+        w13, w2 = (torch.randn(E, 2 * I, H) / 16).bfloat16(), (torch.randn(E, H, I) / 16).bfloat16()
+        ids, weights = torch.randint(0, E, (9, 1)), torch.rand(9, 1)
+        torch.testing.assert_close(cpu_moe.fused_moe_bf16w(xm, w13, w2, weights, ids),
+                                   fused_moe_reference(xm, w13.float(), w2.float(), weights, ids), rtol=1e-4, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)

@@ -5,6 +5,41 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Threads for a parallel region: the OpenMP runtime's setting (torch.set_num_threads sets it; the library
+ * shares torch's libgomp, so both use one pool), 1 inside a region or where built without OpenMP. */
+static inline int threads_for_region(void) {
+#ifdef _OPENMP
+    return omp_in_parallel() ? 1 : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static inline int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Per-thread scratch memory of at least `bytes`, kept between calls (one buffer per file and thread). */
+static __thread void *scratch_ptr;
+static __thread size_t scratch_size;
+
+static inline void *thread_scratch(size_t bytes) {
+    if (bytes > scratch_size) {
+        free(scratch_ptr);
+        scratch_ptr = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_size = scratch_ptr ? bytes : 0;
+    }
+    return scratch_ptr;
+}
 
 static inline __m256 load_bf16x8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -25,7 +60,7 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* y[m, o] = sum_k x[m, k] w[o, k]: x float32 [M, K] (row stride ldx), w bf16 [O, K] (row stride ldw),
- * y float32 [M, O] (row stride ldy). linear_bf16w.c. */
+ * y float32 [M, O] (row stride ldy). linear_bf16w.c; large weights are split over the threads. */
 void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                   int64_t M, int64_t K, int64_t O);
 

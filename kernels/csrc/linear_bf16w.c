@@ -55,9 +55,10 @@ typedef void (*block_fn)(const float *, int64_t, const uint16_t *, int64_t, floa
 static const block_fn BLOCKS[9] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8};
 
 #define TILE_BYTES (64 << 10)
+#define PARALLEL_MIN_WEIGHTS (1 << 16)  /* smaller weights take one thread: a fork costs about a microsecond */
 
-void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
-                  int64_t M, int64_t K, int64_t O) {
+static void linear_serial(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+                          int64_t M, int64_t K, int64_t O) {
     int64_t tile = M <= 8 ? O : TILE_BYTES / (2 * (K > 0 ? K : 1));
     if (tile < 8) tile = 8;
     for (int64_t o0 = 0; o0 < O; o0 += tile) {
@@ -69,10 +70,32 @@ void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, f
     }
 }
 
+void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+                  int64_t M, int64_t K, int64_t O) {
+    int nt = threads_for_region();
+    if (nt > 1 && O >= 16 && O * K >= PARALLEL_MIN_WEIGHTS) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+        {   /* each thread a contiguous run of weight rows, multiples of 8 */
+            int t = thread_index(), n = omp_get_num_threads();
+            int64_t o0 = (O * t / n) & ~(int64_t)7, o1 = t == n - 1 ? O : (O * (t + 1) / n) & ~(int64_t)7;
+            if (o1 > o0) linear_serial(x, ldx, w + o0 * ldw, ldw, y + o0, ldy, M, K, o1 - o0);
+        }
+        return;
+#endif
+    }
+    linear_serial(x, ldx, w, ldw, y, ldy, M, K, O);
+}
+
 /* The same for a batch of independent products (per-head weights): x, w and y of batch b start at
  * x + b * bsx, w + b * bsw and y + b * bsy. */
 void linear_bf16w_batched(const float *x, int64_t ldx, int64_t bsx, const uint16_t *w, int64_t ldw, int64_t bsw,
                           float *y, int64_t ldy, int64_t bsy, int64_t M, int64_t K, int64_t O, int64_t batch) {
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) if (nt > 1 && batch > 1)
+#endif
     for (int64_t b = 0; b < batch; b++)
-        linear_bf16w(x + b * bsx, ldx, w + b * bsw, ldw, y + b * bsy, ldy, M, K, O);
+        linear_serial(x + b * bsx, ldx, w + b * bsw, ldw, y + b * bsy, ldy, M, K, O);
 }

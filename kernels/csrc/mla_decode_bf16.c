@@ -10,7 +10,7 @@
  *
  * Shapes: q [B, N, D] (strides ldq_b, ldq_n; unit stride within a row), cache [num_blocks, bs, D] bf16
  * contiguous, tables [B, >= ceil(L / bs)] int64 (row stride ld_t), lens [B] int64, out [B, N, C] (strides
- * ldo_b, ldo_n). scratch holds N * max(lens) floats.
+ * ldo_b, ldo_n). Sequences are split over the threads. Returns 0, or -1 when scratch memory could not be had.
  */
 #include "bf16w.h"
 
@@ -102,16 +102,24 @@ static void weighted_rows(const float *p, int64_t ldp, const uint16_t *kv, int64
     }
 }
 
-void mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
+int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
                      const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
-                     int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale, float *scratch) {
+                     int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale) {
+    int64_t failed = 0;
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && B > 1)
+#endif
     for (int64_t b = 0; b < B; b++) {
         const float *qb = q + b * ldq_b;
         float *ob = out + b * ldo_b;
         int64_t L = lens[b];
         for (int64_t n = 0; n < N; n++)
             for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
-        if (L <= 0) continue;
+        float *scratch = L > 0 ? thread_scratch((size_t)(N * L) * sizeof(float)) : 0;
+        if (L > 0 && !scratch) failed = 1;
+        if (!scratch) continue;
         const int64_t *table = tables + b * ld_t;
         for (int64_t l0 = 0; l0 < L; l0 += bs) {  /* scores, one cache block at a time */
             int64_t rows = L - l0 < bs ? L - l0 : bs;
@@ -127,4 +135,5 @@ void mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_
             weighted_rows(scratch + l0, L, cache + table[l0 / bs] * bs * D, D, rows, ob, ldo_n, N, C);
         }
     }
+    return failed ? -1 : 0;
 }

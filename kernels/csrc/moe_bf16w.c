@@ -5,31 +5,18 @@
  *
  * Pairs (t, k) are counted into expert order (stable), then each expert's rows, up to CHUNK at a time,
  * are gathered, multiplied by w13[e] and w2[e] through linear_bf16w (which reads each weight once for all
- * the rows) and added into out in that order. Scratch grows per thread as needed and is kept.
+ * the rows, split over the threads) and added into out in that order.
  *
  * Shapes: x [T, H] (row stride ldx), w13 [E, 2I, H] and w2 [E, H, I] bf16 contiguous, ids [T, K] int64
  * and wts [T, K] float32 contiguous, out [T, H] float32 contiguous (overwritten).
  * Returns 0; 1 + the index of the first pair whose id lies outside [-1, E) (nothing computed then); or -1
  * when the scratch memory cannot be had.
  */
-#include <stdlib.h>
 #include <string.h>
 
 #include "bf16w.h"
 
 #define CHUNK 256
-
-static __thread void *scratch;
-static __thread size_t scratch_bytes;
-
-static void *grow(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        free(scratch);
-        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        scratch_bytes = scratch ? bytes : 0;
-    }
-    return scratch;
-}
 
 int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint16_t *w13, const uint16_t *w2,
                   int64_t E, int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out) {
@@ -40,7 +27,7 @@ int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint1
     size_t rows = N < CHUNK ? (size_t)N : CHUNK;
     size_t need = (size_t)(E + 1) * sizeof(int64_t) + (size_t)N * sizeof(int64_t) +
                   rows * (size_t)(H + 2 * I + H) * sizeof(float) + 256;
-    char *buf = grow(need);
+    char *buf = thread_scratch(need);
     if (!buf) return -1;
     int64_t *start = (int64_t *)buf;      /* start[e]: first sorted slot of expert e */
     int64_t *order = start + (E + 1);     /* sorted slot -> pair index */
