@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from moe.config import ModelConfig
 
 
@@ -48,10 +49,17 @@ def _mask_to_top_groups(scores_for_choice_TE: torch.Tensor, group_scores_TG: tor
 
 
 def route(
-    x_TH: torch.Tensor, gate_weight_EH: torch.Tensor, rc: RouterConfig, bias_E: torch.Tensor | None = None
+    x_TH: torch.Tensor, gate_weight_EH: torch.Tensor, rc: RouterConfig, bias_E: torch.Tensor | None = None,
+    cpu_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (topk_weights_TK float32, topk_ids_TK int64). The bias steers the choice only."""
+    """Returns (topk_weights_TK float32, topk_ids_TK int64). The bias steers the choice only.
+    cpu_kernel: route DeepSeek-V3's way (noaux_tc, sigmoid) in one C call on CPU (kernels/cpu_ops.py;
+    this function is its reference)."""
     logits_TE = F.linear(x_TH.float(), gate_weight_EH.float())
+    if (cpu_kernel and rc.topk_method == "noaux_tc" and rc.scoring_func == "sigmoid"
+            and cpu_ops.route_fits(logits_TE, bias_E, rc.num_groups, rc.topk_group, rc.top_k)):
+        return cpu_ops.route_noaux_tc(logits_TE, bias_E, rc.num_groups, rc.topk_group, rc.top_k,
+                                      rc.norm_topk_prob, rc.routed_scaling_factor)
     scores_TE = logits_TE.sigmoid() if rc.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
     T = scores_TE.shape[0]
     if rc.topk_method == "greedy":

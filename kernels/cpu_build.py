@@ -1,6 +1,6 @@
 """Builds and loads the CPU kernels of kernels/csrc (AVX2 + FMA C, no Python or torch headers) as one
 shared library, compiled once per machine with the system C compiler into a cache folder (about a second)
-and called through ctypes. The modules beside each kernel (cpu_bf16w.py, cpu_mla.py, cpu_moe.py) hold
+and called through ctypes. The modules beside each kernel (cpu_bf16w.py, cpu_mla.py, cpu_moe.py, cpu_ops.py) hold
 their torch references and fall back to them where `lib()` is None: no compiler, or a CPU without AVX2
 and FMA.
 """
@@ -31,6 +31,9 @@ SIGNATURES = {  # name: (argument types, return type)
     "linear_bf16w": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64], None),
     "linear_bf16w_batched": ([_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64], None),
     "mla_decode_bf16": ([_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32], _I64),
+    "rms_norm_f32": ([_P, _I64, _P, _P, _I64, _I64, _I64, _F32], None),
+    "rope_f32": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64], None),
+    "route_noaux_tc_f32": ([_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _P], None),
     "moe_bf16w": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P], _I64),
 }
 

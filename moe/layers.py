@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_ops
 from moe.config import ModelConfig, yarn_mscale
 from moe.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
@@ -20,11 +21,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.use_cpu_kernel = False  # set where bf16 weights compute in float32 (kernels/cpu_ops.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if self.use_cpu_kernel:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        return cpu_ops.rms_norm_reference(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -73,19 +75,16 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleaved = cfg.rope_interleave
+        self.use_cpu_kernel = False  # set where bf16 weights compute in float32 (kernels/cpu_ops.py)
 
     def cos_sin(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs_TR2 = positions_T.float()[:, None] * self.inv_freq[None, :]
         return freqs_TR2.cos() * self.attention_factor, freqs_TR2.sin() * self.attention_factor
 
     def forward(self, x_TNR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:
-            x1, x2 = x_TNR[..., 0::2], x_TNR[..., 1::2]
-        else:
-            half = x_TNR.shape[-1] // 2
-            x1, x2 = x_TNR[..., :half], x_TNR[..., half:]
-        cos, sin = cos_TR2[:, None, :].to(x_TNR.dtype), sin_TR2[:, None, :].to(x_TNR.dtype)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.use_cpu_kernel:
+            return cpu_ops.rope(x_TNR, cos_TR2, sin_TR2, self.interleaved)
+        return cpu_ops.rope_reference(x_TNR, cos_TR2, sin_TR2, self.interleaved)
 
 
 class MLP(nn.Module):

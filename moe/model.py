@@ -46,6 +46,7 @@ class MoEBlock(nn.Module):
         holds expert i). More slots than experts means redundant replicas of some experts."""
         super().__init__()
         self.router_config = RouterConfig.from_model(cfg)
+        self.use_cpu_router = False  # set where bf16 weights compute in float32 (kernels/cpu_ops.py)
         self.tp_group, self.ep_group = tp_group, ep_group
         tp_rank, tp_size = group_rank_size(tp_group)
         ep_rank, ep_size = group_rank_size(ep_group)
@@ -89,7 +90,8 @@ class MoEBlock(nn.Module):
         return moved
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        topk_weights_TK, topk_ids_TK = route(x_TH, self.gate.weight, self.router_config, self.gate.e_score_correction_bias)
+        topk_weights_TK, topk_ids_TK = route(x_TH, self.gate.weight, self.router_config,
+                                             self.gate.e_score_correction_bias, self.use_cpu_router)
         phy_ids_TK = topk_ids_TK if self.identity_placement else \
             logical_to_physical(topk_ids_TK, self.log2phy_EX, self.logcnt_E)
         if self.load_recorder is not None:
@@ -207,6 +209,11 @@ class DeepseekForCausalLM(nn.Module):
             block.experts.w2.data = block.experts.w2.data.to(dtype)
         for layer in self.model.layers[self.model.start:self.model.end]:
             layer.self_attn.hold_absorbed_in(dtype)
+        for module in self.modules():  # the small float32 ops, one C call each (kernels/cpu_ops.py)
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.use_cpu_kernel = True
+            if isinstance(module, MoEBlock):
+                module.use_cpu_router = True
 
     def after_loading(self) -> None:
         for layer in self.model.layers[self.model.start:self.model.end]:

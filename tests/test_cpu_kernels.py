@@ -1,13 +1,15 @@
 """The CPU kernels behind bf16 on a CPU without bf16 arithmetic equal their torch references: MLA decode
 attention over the paged bf16 cache (kernels/cpu_mla.py), the one-call routed experts (kernels/cpu_moe.py)
-and the per-head absorption products (kernels/cpu_bf16w.bmm)."""
+the per-head absorption products (kernels/cpu_bf16w.bmm), and RMSNorm, rope and the router
+(kernels/cpu_ops.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu_bf16w, cpu_build, cpu_mla, cpu_moe, fused_moe, fused_moe_reference
+from experts.router import RouterConfig, route
+from kernels import cpu_bf16w, cpu_build, cpu_mla, cpu_moe, cpu_ops, fused_moe, fused_moe_reference
 
 needs_kernels = pytest.mark.skipif(cpu_build.lib() is None, reason="no C compiler or no AVX2 + FMA here")
 
@@ -118,3 +120,41 @@ def test_kernels_split_over_two_threads_equal_references():
                                    fused_moe_reference(xm, w13.float(), w2.float(), weights, ids), rtol=1e-4, atol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("T,D", [(1, 512), (5, 37), (3, 8)])
+def test_rms_norm_equals_reference(T, D):
+    torch.manual_seed(D)
+    x, w = torch.randn(T, D) * 3, torch.randn(D)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), cpu_ops.rms_norm_reference(x, w, 1e-6))
+    x3 = torch.randn(2, T, D + 4)[..., :D]  # leading dims, rows strided
+    torch.testing.assert_close(cpu_ops.rms_norm(x3, w, 1e-5), cpu_ops.rms_norm_reference(x3, w, 1e-5))
+
+
+@needs_kernels
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_equals_reference(interleaved):
+    torch.manual_seed(1)
+    T, N, R = 4, 3, 16
+    x = torch.randn(T, N, 24 + R)[..., 24:]  # the rope tail of each head, as MLA splits it
+    cos, sin = torch.randn(T, R // 2), torch.randn(T, R // 2)
+    torch.testing.assert_close(cpu_ops.rope(x, cos, sin, interleaved), cpu_ops.rope_reference(x, cos, sin, interleaved))
+
+
+@needs_kernels
+@pytest.mark.parametrize("E,G,topk_group,K,bias", [(32, 4, 2, 4, True), (16, 1, 1, 3, False), (12, 6, 3, 1, True),
+                                                   (64, 8, 4, 8, True)])
+def test_router_equals_reference(E, G, topk_group, K, bias):
+    torch.manual_seed(E + K)
+    rc = RouterConfig(num_experts=E, top_k=K, topk_method="noaux_tc", scoring_func="sigmoid", num_groups=G,
+                      topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=2.5)
+    x, gate = torch.randn(20, 24), torch.randn(E, 24) / 4
+    bias_E = torch.randn(E) * 0.1 if bias else None
+    want_w, want_ids = route(x, gate, rc, bias_E)
+    got_w, got_ids = route(x, gate, rc, bias_E, cpu_kernel=True)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    # same experts per token (the kernel lists them best first; torch's order is unspecified), same weights
+    want_order, got_order = want_ids.argsort(dim=1), got_ids.argsort(dim=1)
+    assert torch.equal(want_ids.gather(1, want_order), got_ids.gather(1, got_order))
+    torch.testing.assert_close(got_w.gather(1, got_order), want_w.gather(1, want_order))

@@ -1,0 +1,100 @@
+/* The small per-layer ops of a decode step in float32, one call each instead of several torch ops
+ * (kernels/cpu_ops.py holds their torch references): RMSNorm, rotary embedding, and DeepSeek-V3's
+ * router (sigmoid scores, bias-corrected group-limited top-k). At decode sizes each torch op costs
+ * 5-15 us of dispatch for well under a microsecond of arithmetic.
+ */
+#include <math.h>
+
+#include "bf16w.h"
+
+/* y[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); x [T, D] (row stride ldx), y [T, D] (row stride ldy). */
+void rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t T, int64_t D,
+                  float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * ldx;
+        float *yt = y + t * ldy;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            __m256 v = _mm256_loadu_ps(xt + d);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (; d < D; d++) ss += xt[d] * xt[d];
+        float r = 1.0f / sqrtf(ss / (float)D + eps);
+        __m256 vr = _mm256_set1_ps(r);
+        for (d = 0; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(yt + d, _mm256_mul_ps(_mm256_loadu_ps(w + d), _mm256_mul_ps(_mm256_loadu_ps(xt + d), vr)));
+        for (; d < D; d++) yt[d] = w[d] * (xt[d] * r);
+    }
+}
+
+/* Rotary embedding of x [T, N, R] (strides ldx_t, ldx_n) by cos / sin [T, R/2] (contiguous) into
+ * y [T, N, R] (strides ldy_t, ldy_n), laid out as [first of each pair, second of each pair]. Pairs are
+ * (x[2i], x[2i+1]) when interleaved, else (x[i], x[i + R/2]). */
+void rope_f32(const float *x, int64_t ldx_t, int64_t ldx_n, const float *cos_, const float *sin_, float *y,
+              int64_t ldy_t, int64_t ldy_n, int64_t T, int64_t N, int64_t R, int64_t interleaved) {
+    int64_t h = R / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_ + t * h, *s = sin_ + t * h;
+        for (int64_t n = 0; n < N; n++) {
+            const float *xr = x + t * ldx_t + n * ldx_n;
+            float *yr = y + t * ldy_t + n * ldy_n;
+            for (int64_t i = 0; i < h; i++) {
+                float a = interleaved ? xr[2 * i] : xr[i], b = interleaved ? xr[2 * i + 1] : xr[i + h];
+                yr[i] = a * c[i] - b * s[i];
+                yr[i + h] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* DeepSeek-V3 routing (topk_method noaux_tc, scoring_func sigmoid) of logits [T, E] (contiguous):
+ * scores s = sigmoid(logits); choice c = s + bias (bias may be NULL); groups of E / G experts rank by the
+ * sum of their two best c; among the topk_group best groups the K best c are chosen (in descending
+ * order); weights are their s, divided by their sum (norm, K > 1), times scale. ids, wts: [T, K]. */
+void route_noaux_tc_f32(const float *logits, const float *bias, int64_t T, int64_t E, int64_t G, int64_t topk_group,
+                        int64_t K, int64_t norm, float scale, int64_t *ids, float *wts) {
+    int64_t per = E / G;
+    float *s = thread_scratch((size_t)(2 * E + G) * sizeof(float));
+    if (!s) {  /* no memory: mark every slot as routed nowhere */
+        for (int64_t i = 0; i < T * K; i++) { ids[i] = -1; wts[i] = 0.0f; }
+        return;
+    }
+    float *c = s + E, *gs = c + E;
+    for (int64_t t = 0; t < T; t++) {
+        const float *lt = logits + t * E;
+        for (int64_t e = 0; e < E; e++) {
+            s[e] = 1.0f / (1.0f + expf(-lt[e]));
+            c[e] = bias ? s[e] + bias[e] : s[e];
+        }
+        for (int64_t g = 0; g < G; g++) {  /* group score: the sum of its two best choices */
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                if (c[e] > b1) { b2 = b1; b1 = c[e]; }
+                else if (c[e] > b2) b2 = c[e];
+            }
+            gs[g] = per > 1 ? b1 + b2 : b1;
+        }
+        for (int64_t j = 0; j < topk_group && j < G; j++) {  /* keep the best groups: mark them +inf */
+            int64_t best = -1;
+            for (int64_t g = 0; g < G; g++)
+                if (gs[g] != INFINITY && (best < 0 || gs[g] > gs[best])) best = g;
+            gs[best] = INFINITY;
+        }
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (gs[e / per] == INFINITY && c[e] != -INFINITY && (best < 0 || c[e] > c[best])) best = e;
+            ids[t * K + k] = best;
+            wts[t * K + k] = best >= 0 ? s[best] : 0.0f;
+            if (best >= 0) { sum += s[best]; c[best] = -INFINITY; }
+        }
+        for (int64_t k = 0; k < K; k++) {
+            float v = wts[t * K + k];
+            if (norm && K > 1) v = v / (sum + 1e-20f);
+            wts[t * K + k] = v * scale;
+        }
+    }
+}
