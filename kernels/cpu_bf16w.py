@@ -41,7 +41,7 @@ def _fits(x_MK: torch.Tensor, w_OK: torch.Tensor) -> bool:
     """Whether x w^T can go through the C kernel: float32 x with unit column stride, a bf16 w with
     contiguous rows, 1 to MAX_ROWS rows, on CPU, and the kernel built."""
     return (0 < x_MK.shape[0] <= MAX_ROWS and x_MK.dtype == torch.float32 and w_OK.dtype == torch.bfloat16
-            and x_MK.device.type == "cpu" and x_MK.stride(1) == 1 and w_OK.stride(1) == 1 and _lib() is not None)
+            and x_MK.is_cpu and x_MK.stride(1) == 1 and w_OK.stride(1) == 1 and _lib() is not None)
 
 
 def _kernel_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor) -> None:
@@ -53,7 +53,7 @@ def _kernel_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor) -
 
 def linear(x_TK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for float32 x (any leading dims) and a bf16 weight; float32 out."""
-    rows_MK = x_TK.reshape(-1, x_TK.shape[-1])
+    rows_MK = x_TK if x_TK.dim() == 2 else x_TK.reshape(-1, x_TK.shape[-1])
     if rows_MK.stride(-1) != 1:
         rows_MK = rows_MK.contiguous()
     if not _fits(rows_MK, w_OK):
@@ -62,7 +62,7 @@ def linear(x_TK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None =
     _kernel_into(rows_MK, w_OK, y_MO)
     if bias_O is not None:
         y_MO += bias_O
-    return y_MO.view(*x_TK.shape[:-1], w_OK.shape[0])
+    return y_MO if x_TK.dim() == 2 else y_MO.view(*x_TK.shape[:-1], w_OK.shape[0])
 
 
 def mm_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor) -> None:
@@ -74,13 +74,22 @@ def mm_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor) -> Non
 
 
 def bmm(x_BMK: torch.Tensor, w_BOK: torch.Tensor) -> torch.Tensor:
-    """out[b] = x[b] w[b]^T for float32 x (unit column stride) and a bf16 w with contiguous rows (per-head
-    weights: MLA's W_UK / W_UV absorption); float32 out [B, M, O]."""
+    """out[b] = x[b] w[b]^T for float32 x and a bf16 w (per-head weights: MLA's W_UK / W_UV absorption);
+    float32 out [B, M, O]."""
+    out_BMO = x_BMK.new_empty(x_BMK.shape[0], x_BMK.shape[1], w_BOK.shape[1])
+    bmm_into(x_BMK, w_BOK, out_BMO)
+    return out_BMO
+
+
+def bmm_into(x_BMK: torch.Tensor, w_BOK: torch.Tensor, out_BMO: torch.Tensor) -> None:
+    """out[b] = x[b] w[b]^T into a float32 out with unit stride in O (e.g. a column slice of a wider row)."""
     B, M, K = x_BMK.shape
     O = w_BOK.shape[1]
-    if not (_fits(x_BMK[0], w_BOK[0]) and w_BOK.stride(2) == 1):
-        return torch.bmm(x_BMK, w_BOK.float().transpose(1, 2))
-    y_BMO = x_BMK.new_empty(B, M, O)
+    if not (M > 0 and x_BMK.dtype == out_BMO.dtype == torch.float32 and w_BOK.dtype == torch.bfloat16
+            and x_BMK.is_cpu and x_BMK.stride(2) == 1 and w_BOK.stride(2) == 1 and out_BMO.stride(2) == 1
+            and _lib() is not None):
+        out_BMO.copy_(torch.bmm(x_BMK, w_BOK.float().transpose(1, 2)))
+        return
     _lib().linear_bf16w_batched(x_BMK.data_ptr(), x_BMK.stride(1), x_BMK.stride(0), w_BOK.data_ptr(),
-                                w_BOK.stride(1), w_BOK.stride(0), y_BMO.data_ptr(), O, M * O, M, K, O, B)
-    return y_BMO
+                                w_BOK.stride(1), w_BOK.stride(0), out_BMO.data_ptr(), out_BMO.stride(1),
+                                out_BMO.stride(0), M, K, O, B)

@@ -30,10 +30,12 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name: (argument types, return type)
     "linear_bf16w": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64], None),
     "linear_bf16w_batched": ([_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64], None),
-    "mla_decode_bf16": ([_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32], _I64),
+    "mla_decode_bf16": ([_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P],
+                        _I64),
     "rms_norm_f32": ([_P, _I64, _P, _P, _I64, _I64, _I64, _F32], None),
     "rope_f32": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64], None),
     "route_noaux_tc_f32": ([_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _P], None),
+    "mla_cache_write_bf16": ([_P, _I64, _P, _F32, _P, _P, _I64, _P, _P, _I64, _I64, _I64], None),
     "moe_bf16w": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P], _I64),
 }
 

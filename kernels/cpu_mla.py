@@ -46,23 +46,31 @@ def reference(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM: 
 
 def mla_decode(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM: torch.Tensor,
                context_lens_B: torch.Tensor, latent_dim: int, scale: float) -> torch.Tensor:
-    """As `reference`; through the C kernel where `fits`. Block tables and lengths: int64 on CPU."""
+    """As `reference`; through the C kernel where `fits`."""
     if not fits(q_BND, kv_cache_NbD):
         return reference(q_BND, kv_cache_NbD, block_tables_BM, context_lens_B, latent_dim, scale)
-    B, N, D = q_BND.shape
-    tables_BM = block_tables_BM.to(torch.int64).contiguous()
-    lens_B = context_lens_B.to(torch.int64).contiguous()
+    B, N, _ = q_BND.shape
     out_BNC = q_BND.new_empty(B, N, latent_dim)
-    if B == 0:
-        return out_BNC
-    max_len = int(lens_B.max())
-    if max_len > tables_BM.shape[1] * kv_cache_NbD.shape[1]:
-        raise ValueError(f"a context of {max_len} tokens does not fit {tables_BM.shape[1]} blocks of "
+    if B:
+        lens_B = context_lens_B.to(torch.int64).contiguous()
+        mla_decode_into(q_BND, kv_cache_NbD, block_tables_BM.to(torch.int64).contiguous(), lens_B, latent_dim,
+                        scale, None, int(lens_B.max()), out_BNC)
+    return out_BNC
+
+
+def mla_decode_into(q_TND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM: torch.Tensor,
+                    context_lens_B: torch.Tensor, latent_dim: int, scale: float, rows_B: torch.Tensor | None,
+                    max_len: int, out_TNC: torch.Tensor) -> None:
+    """The kernel alone, for inputs that `fits`: sequence b attends with query row rows[b] (b without
+    rows) and writes that row of out (float32, unit stride in C); other rows are left as they are.
+    Tables, lengths and rows: contiguous int64; max_len: the longest of the lengths."""
+    B, N, D = q_TND.shape[0] if rows_B is None else rows_B.shape[0], q_TND.shape[1], q_TND.shape[2]
+    if max_len > block_tables_BM.shape[1] * kv_cache_NbD.shape[1]:
+        raise ValueError(f"a context of {max_len} tokens does not fit {block_tables_BM.shape[1]} blocks of "
                          f"{kv_cache_NbD.shape[1]}")
     status = cpu_build.lib().mla_decode_bf16(
-        q_BND.data_ptr(), q_BND.stride(0), q_BND.stride(1), kv_cache_NbD.data_ptr(), kv_cache_NbD.shape[1], D,
-        tables_BM.data_ptr(), tables_BM.stride(0), lens_B.data_ptr(), out_BNC.data_ptr(), out_BNC.stride(0),
-        out_BNC.stride(1), B, N, latent_dim, scale)
+        q_TND.data_ptr(), q_TND.stride(0), q_TND.stride(1), kv_cache_NbD.data_ptr(), kv_cache_NbD.shape[1], D,
+        block_tables_BM.data_ptr(), block_tables_BM.stride(0), context_lens_B.data_ptr(), out_TNC.data_ptr(),
+        out_TNC.stride(0), out_TNC.stride(1), B, N, latent_dim, scale, None if rows_B is None else rows_B.data_ptr())
     if status:
         raise MemoryError("mla_decode: no memory for the CPU kernel's scratch")
-    return out_BNC

@@ -44,17 +44,57 @@ def rope_reference(x_TNR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Te
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _rope_fits(x_TNR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Tensor) -> bool:
+    return (_f32_cpu(x_TNR, cos_TR2, sin_TR2) and x_TNR.stride(2) == 1 and cos_TR2.is_contiguous()
+            and sin_TR2.is_contiguous() and x_TNR.shape[2] % 2 == 0)
+
+
 def rope(x_TNR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """As rope_reference (output [first of each pair, second of each pair]), through the C kernel for
     float32 x with unit stride in R and contiguous float32 cos / sin."""
-    T, N, R = x_TNR.shape
-    if not (_f32_cpu(x_TNR, cos_TR2, sin_TR2) and x_TNR.stride(2) == 1 and cos_TR2.is_contiguous()
-            and sin_TR2.is_contiguous() and R % 2 == 0):
+    if not _rope_fits(x_TNR, cos_TR2, sin_TR2):
         return rope_reference(x_TNR, cos_TR2, sin_TR2, interleaved)
-    y_TNR = x_TNR.new_empty(T, N, R)
-    cpu_build.lib().rope_f32(x_TNR.data_ptr(), x_TNR.stride(0), x_TNR.stride(1), cos_TR2.data_ptr(),
-                             sin_TR2.data_ptr(), y_TNR.data_ptr(), N * R, R, T, N, R, int(interleaved))
+    y_TNR = x_TNR.new_empty(x_TNR.shape)
+    rope_into(x_TNR, cos_TR2, sin_TR2, interleaved, y_TNR)
     return y_TNR
+
+
+def rope_into(x_TNR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Tensor, interleaved: bool,
+              out_TNR: torch.Tensor) -> None:
+    """out = rope(x) for an output with unit stride in R (e.g. the rope tail of MLA's decode queries)."""
+    if not (_rope_fits(x_TNR, cos_TR2, sin_TR2) and out_TNR.dtype == torch.float32 and out_TNR.stride(2) == 1):
+        out_TNR.copy_(rope_reference(x_TNR, cos_TR2, sin_TR2, interleaved))
+        return
+    T, N, R = x_TNR.shape
+    cpu_build.lib().rope_f32(x_TNR.data_ptr(), x_TNR.stride(0), x_TNR.stride(1), cos_TR2.data_ptr(),
+                             sin_TR2.data_ptr(), out_TNR.data_ptr(), out_TNR.stride(0), out_TNR.stride(1), T, N, R,
+                             int(interleaved))
+
+
+def mla_cache_write_reference(kv_TD: torch.Tensor, norm_weight_C: torch.Tensor, eps: float, cos_TR2, sin_TR2,
+                              interleaved: bool, kv_cache_NbD: torch.Tensor, slots_T: torch.Tensor) -> None:
+    C = norm_weight_C.shape[0]
+    latent_TC = rms_norm_reference(kv_TD[:, :C], norm_weight_C, eps)
+    k_pe_TR = rope_reference(kv_TD[:, None, C:], cos_TR2, sin_TR2, interleaved)[:, 0]
+    flat = kv_cache_NbD.view(-1, kv_cache_NbD.shape[-1])
+    flat.index_copy_(0, slots_T, torch.cat((latent_TC, k_pe_TR), dim=-1).to(flat.dtype))
+
+
+def mla_cache_write(kv_TD: torch.Tensor, norm_weight_C: torch.Tensor, eps: float, cos_TR2: torch.Tensor,
+                    sin_TR2: torch.Tensor, interleaved: bool, kv_cache_NbD: torch.Tensor, slots_T: torch.Tensor) -> None:
+    """MLA's cache write: each row of kv [T, C + R] (kv_a_proj_with_mqa's output) goes into cache row
+    slots[t] as [kv_a_layernorm(latent), rope(k_pe)], rounded to the cache's bf16, in one call."""
+    if not (_f32_cpu(kv_TD, norm_weight_C, cos_TR2, sin_TR2) and kv_cache_NbD.dtype == torch.bfloat16
+            and kv_TD.stride(1) == 1 and kv_cache_NbD.is_contiguous() and norm_weight_C.is_contiguous()
+            and cos_TR2.is_contiguous() and sin_TR2.is_contiguous() and slots_T.dtype == torch.int64
+            and slots_T.is_contiguous()):
+        mla_cache_write_reference(kv_TD, norm_weight_C, eps, cos_TR2, sin_TR2, interleaved, kv_cache_NbD, slots_T)
+        return
+    T, D = kv_TD.shape
+    C = norm_weight_C.shape[0]
+    cpu_build.lib().mla_cache_write_bf16(kv_TD.data_ptr(), kv_TD.stride(0), norm_weight_C.data_ptr(), eps,
+                                         cos_TR2.data_ptr(), sin_TR2.data_ptr(), int(interleaved),
+                                         kv_cache_NbD.data_ptr(), slots_T.data_ptr(), T, C, D - C)
 
 
 def route_noaux_tc(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, num_groups: int, topk_group: int,

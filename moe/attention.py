@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels import cpu_bf16w, cpu_mla
+from kernels import cpu_bf16w, cpu_mla, cpu_ops
 from moe.config import ModelConfig
 from moe.layers import RMSNorm, RotaryEmbedding
 from moe.parallel_linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, group_rank_size
@@ -49,6 +49,22 @@ class AttentionMetadata:
     # Per step, shared by every layer (each layer's gather overwrites the last one's, which it no longer needs)
     _gather_buf: torch.Tensor | None = field(default=None, repr=False)
     _decode_pad: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _decode_i64: tuple | None = field(default=None, repr=False)
+
+    @property
+    def all_decode(self) -> bool:
+        """Every token of the step is a decode query (no prompt chunk)."""
+        return not self.prefills and self.num_decodes == self.slot_mapping_T.numel()
+
+    def decode_i64(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(token rows, block tables, context lengths) as contiguous int64, and the longest context: what
+        the CPU decode kernel takes, made once per step."""
+        if self._decode_i64 is None:
+            lens_B = self.decode_context_lens_B.to(torch.int64).contiguous()
+            self._decode_i64 = (self.decode_token_idx_B.to(torch.int64).contiguous(),
+                                self.decode_block_tables_BM.to(torch.int64).contiguous(), lens_B,
+                                int(lens_B.max()) if lens_B.numel() else 0)
+        return self._decode_i64
 
     def gather_blocks(self, kv_cache_NBD: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """kv_cache_NBD rows `block_ids` (flattened), copied into this step's scratch buffer:
@@ -126,13 +142,20 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TH)))
         q_TNK = q.view(T, N, self.nope_dim + self.rope_dim)
         q_nope_TND, q_pe_TNR = q_TNK.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_TD = self.kv_a_proj_with_mqa(x_TH)
+        if self.w_uk_NCD is not None:  # CPU kernels (bf16 weights computing in float32)
+            cpu_ops.mla_cache_write(kv_TD, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos_TR2, sin_TR2,
+                                    self.rope.interleaved, kv_cache_NBD, meta.slot_mapping_T)
+            if meta.all_decode and cpu_mla.fits(q_TNK, kv_cache_NBD):
+                return self.o_proj(self._decode_cpu(q_nope_TND, q_pe_TNR, cos_TR2, sin_TR2, kv_cache_NBD, meta)
+                                   .view(T, N * self.v_dim))
+        else:
+            latent_TC, k_pe_TR = kv_TD.split([C, self.rope_dim], dim=-1)
+            latent_TC = self.kv_a_layernorm(latent_TC)
+            k_pe_TR = self.rope(k_pe_TR[:, None, :], cos_TR2, sin_TR2)[:, 0]
+            flat_cache = kv_cache_NBD.view(-1, kv_cache_NBD.shape[-1])
+            flat_cache.index_copy_(0, meta.slot_mapping_T, torch.cat((latent_TC, k_pe_TR), dim=-1).to(flat_cache.dtype))
         q_pe_TNR = self.rope(q_pe_TNR, cos_TR2, sin_TR2)
-
-        latent_TC, k_pe_TR = self.kv_a_proj_with_mqa(x_TH).split([C, self.rope_dim], dim=-1)
-        latent_TC = self.kv_a_layernorm(latent_TC)
-        k_pe_TR = self.rope(k_pe_TR[:, None, :], cos_TR2, sin_TR2)[:, 0]
-        flat_cache = kv_cache_NBD.view(-1, kv_cache_NBD.shape[-1])
-        flat_cache.index_copy_(0, meta.slot_mapping_T, torch.cat((latent_TC, k_pe_TR), dim=-1).to(flat_cache.dtype))
 
         out_TNV = x_TH.new_empty(T, N, self.v_dim)
         if meta.num_decodes:
@@ -158,6 +181,21 @@ class MLAttention(nn.Module):
             rows = slice(seq.token_start, seq.token_start + seq.num_query)
             out_TNV[rows] = self._prefill(q_nope_TND[rows], q_pe_TNR[rows], kv_cache_NBD, seq)
         return self.o_proj(out_TNV.reshape(T, N * self.v_dim))
+
+    def _decode_cpu(self, q_nope_TND: torch.Tensor, q_pe_TNR: torch.Tensor, cos_TR2: torch.Tensor,
+                    sin_TR2: torch.Tensor, kv_cache_NBD: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A step of decode queries only, through the CPU kernels, every product written in place:
+        q = [W_UK^T q_nope, rope(q_pe)] per head, latent attention over the paged cache, W_UV out."""
+        T, N, C = q_nope_TND.shape[0], self.num_heads, self.kv_lora_rank
+        q_TNK = q_nope_TND.new_empty(T, N, C + self.rope_dim)
+        cpu_bf16w.bmm_into(q_nope_TND.transpose(0, 1), self.w_uk_NCD, q_TNK[:, :, :C].transpose(0, 1))
+        cpu_ops.rope_into(q_pe_TNR, cos_TR2, sin_TR2, self.rope.interleaved, q_TNK[:, :, C:])
+        rows_B, tables_BM, lens_B, max_len = meta.decode_i64()
+        out_lat_TNC = q_TNK.new_empty(T, N, C)
+        cpu_mla.mla_decode_into(q_TNK, kv_cache_NBD, tables_BM, lens_B, C, self.scale, rows_B, max_len, out_lat_TNC)
+        out_TNV = q_TNK.new_empty(T, N, self.v_dim)
+        cpu_bf16w.bmm_into(out_lat_TNC.transpose(0, 1), self.w_uv_NVC, out_TNV.transpose(0, 1))
+        return out_TNV
 
     def _decode(self, q_BNK: torch.Tensor, kv_cache_NBD: torch.Tensor, meta: AttentionMetadata, start: int,
                 end: int, blocks: int) -> torch.Tensor:

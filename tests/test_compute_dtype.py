@@ -48,7 +48,7 @@ def test_bf16_without_bf16_arithmetic(tmp_path, monkeypatch, caplog):
             assert torch.equal(weights[name].float(), q), name
 
     calls = {"mla": 0, "moe": 0}  # where the kernels can be built, the decode steps must run through them
-    for module, name, key in ((cpu_mla, "mla_decode", "mla"), (cpu_moe, "fused_moe_bf16w", "moe")):
+    for module, name, key in ((cpu_mla, "mla_decode_into", "mla"), (cpu_moe, "fused_moe_bf16w", "moe")):
         def counted(*args, _fn=getattr(module, name), _key=key):
             calls[_key] += 1
             return _fn(*args)

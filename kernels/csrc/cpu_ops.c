@@ -7,23 +7,29 @@
 
 #include "bf16w.h"
 
+/* 1 / sqrt(mean(x^2) + eps) over D values */
+static inline float rms_scale(const float *x, int64_t D, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        __m256 v = _mm256_loadu_ps(x + d);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum8(acc);
+    for (; d < D; d++) ss += x[d] * x[d];
+    return 1.0f / sqrtf(ss / (float)D + eps);
+}
+
 /* y[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); x [T, D] (row stride ldx), y [T, D] (row stride ldy). */
 void rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t T, int64_t D,
                   float eps) {
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * ldx;
         float *yt = y + t * ldy;
-        __m256 acc = _mm256_setzero_ps();
-        int64_t d = 0;
-        for (; d + 8 <= D; d += 8) {
-            __m256 v = _mm256_loadu_ps(xt + d);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float ss = hsum8(acc);
-        for (; d < D; d++) ss += xt[d] * xt[d];
-        float r = 1.0f / sqrtf(ss / (float)D + eps);
+        float r = rms_scale(xt, D, eps);
         __m256 vr = _mm256_set1_ps(r);
-        for (d = 0; d + 8 <= D; d += 8)
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8)
             _mm256_storeu_ps(yt + d, _mm256_mul_ps(_mm256_loadu_ps(w + d), _mm256_mul_ps(_mm256_loadu_ps(xt + d), vr)));
         for (; d < D; d++) yt[d] = w[d] * (xt[d] * r);
     }
@@ -95,6 +101,33 @@ void route_noaux_tc_f32(const float *logits, const float *bias, int64_t T, int64
             float v = wts[t * K + k];
             if (norm && K > 1) v = v / (sum + 1e-20f);
             wts[t * K + k] = v * scale;
+        }
+    }
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch's .to(torch.bfloat16) */
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* MLA's cache write: row t of kv [T, C + R] (row stride ldkv; kv_a_proj_with_mqa's output) becomes
+ * [rms_norm(latent) * w, rope(k_pe)] in bf16 at cache row slots[t] (cache [*, C + R] contiguous bf16).
+ * cos / sin [T, R/2]; interleaved as in rope_f32. */
+void mla_cache_write_bf16(const float *kv, int64_t ldkv, const float *norm_w, float eps, const float *cos_,
+                          const float *sin_, int64_t interleaved, uint16_t *cache, const int64_t *slots, int64_t T,
+                          int64_t C, int64_t R) {
+    int64_t D = C + R, h = R / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *x = kv + t * ldkv;
+        uint16_t *row = cache + slots[t] * D;
+        float r = rms_scale(x, C, eps);
+        for (int64_t c = 0; c < C; c++) row[c] = f32_to_bf16(norm_w[c] * (x[c] * r));
+        const float *pe = x + C, *cs = cos_ + t * h, *sn = sin_ + t * h;
+        for (int64_t i = 0; i < h; i++) {
+            float a = interleaved ? pe[2 * i] : pe[i], b = interleaved ? pe[2 * i + 1] : pe[i + h];
+            row[C + i] = f32_to_bf16(a * cs[i] - b * sn[i]);
+            row[C + h + i] = f32_to_bf16(b * cs[i] + a * sn[i]);
         }
     }
 }

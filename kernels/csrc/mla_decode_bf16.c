@@ -10,7 +10,9 @@
  *
  * Shapes: q [B, N, D] (strides ldq_b, ldq_n; unit stride within a row), cache [num_blocks, bs, D] bf16
  * contiguous, tables [B, >= ceil(L / bs)] int64 (row stride ld_t), lens [B] int64, out [B, N, C] (strides
- * ldo_b, ldo_n). Sequences are split over the threads. Returns 0, or -1 when scratch memory could not be had.
+ * ldo_b, ldo_n). With `qrows` (may be NULL), sequence b reads q row qrows[b] and writes out row qrows[b]
+ * instead of row b: the decode rows of a step's token array, in place. Sequences are split over the
+ * threads. Returns 0, or -1 when scratch memory could not be had.
  */
 #include "bf16w.h"
 
@@ -104,7 +106,7 @@ static void weighted_rows(const float *p, int64_t ldp, const uint16_t *kv, int64
 
 int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
                      const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
-                     int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale) {
+                     int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale, const int64_t *qrows) {
     int64_t failed = 0;
     int nt = threads_for_region();
     (void)nt;
@@ -112,8 +114,9 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && B > 1)
 #endif
     for (int64_t b = 0; b < B; b++) {
-        const float *qb = q + b * ldq_b;
-        float *ob = out + b * ldo_b;
+        int64_t row = qrows ? qrows[b] : b;
+        const float *qb = q + row * ldq_b;
+        float *ob = out + row * ldo_b;
         int64_t L = lens[b];
         for (int64_t n = 0; n < N; n++)
             for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
