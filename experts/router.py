@@ -55,11 +55,11 @@ def route(
     """Returns (topk_weights_TK float32, topk_ids_TK int64). The bias steers the choice only.
     cpu_kernel: route DeepSeek-V3's way (noaux_tc, sigmoid) in one C call on CPU (kernels/cpu_ops.py;
     this function is its reference)."""
-    logits_TE = F.linear(x_TH.float(), gate_weight_EH.float())
     if (cpu_kernel and rc.topk_method == "noaux_tc" and rc.scoring_func == "sigmoid"
-            and cpu_ops.route_fits(logits_TE, bias_E, rc.num_groups, rc.topk_group, rc.top_k)):
-        return cpu_ops.route_noaux_tc(logits_TE, bias_E, rc.num_groups, rc.topk_group, rc.top_k,
+            and cpu_ops.route_fits(x_TH, gate_weight_EH, bias_E, rc.num_groups, rc.topk_group, rc.top_k)):
+        return cpu_ops.route_noaux_tc(x_TH, gate_weight_EH, bias_E, rc.num_groups, rc.topk_group, rc.top_k,
                                       rc.norm_topk_prob, rc.routed_scaling_factor)
+    logits_TE = F.linear(x_TH.float(), gate_weight_EH.float())
     scores_TE = logits_TE.sigmoid() if rc.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
     T = scores_TE.shape[0]
     if rc.topk_method == "greedy":

@@ -34,9 +34,9 @@ SIGNATURES = {  # name: (argument types, return type)
                         _I64),
     "rms_norm_f32": ([_P, _I64, _P, _P, _I64, _I64, _I64, _F32], None),
     "rope_f32": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64], None),
-    "route_noaux_tc_f32": ([_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _P], None),
+    "route_noaux_tc_f32": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _P], None),
     "mla_cache_write_bf16": ([_P, _I64, _P, _F32, _P, _P, _I64, _P, _P, _I64, _I64, _I64], None),
-    "moe_bf16w": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P], _I64),
+    "moe_bf16w": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P], _I64),
 }
 
 

@@ -24,18 +24,29 @@ def fits(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> bo
 
 
 def fused_moe_bf16w(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
-                    topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
-    """kernels.fused_moe for inputs that `fits` (already validated by it); float32 [T, H]."""
+                    topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor,
+                    shared_w13_2SH: torch.Tensor | None = None, shared_w2_HS: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.fused_moe for inputs that `fits` (shapes as it checks them); float32 [T, H]. With the shared
+    expert's weights (bf16, contiguous: gate rows then up rows [2S, H], down [H, S]) its output is added
+    for every token, as DeepSeek's MoE block adds its shared experts."""
     T, H = x_TH.shape
     E, I, K = w13_E2IH.shape[0], w2_EHI.shape[2], topk_ids_TK.shape[1]
     ids_TK = topk_ids_TK.to(torch.int64).contiguous()
     weights_TK = topk_weights_TK.to(torch.float32).contiguous()
     out_TH = x_TH.new_empty(T, H)
-    if T == 0 or K == 0:
-        return out_TH.zero_()
+    if T == 0:
+        return out_TH
+    shared = shared_w13_2SH is not None
+    if shared and not (shared_w13_2SH.dtype == shared_w2_HS.dtype == torch.bfloat16 and shared_w13_2SH.is_contiguous()
+                       and shared_w2_HS.is_contiguous() and shared_w13_2SH.shape[1] == H
+                       and tuple(shared_w2_HS.shape) == (H, shared_w13_2SH.shape[0] // 2)):
+        raise ValueError(f"shared expert weights {tuple(shared_w13_2SH.shape)} / {tuple(shared_w2_HS.shape)} must be "
+                         f"contiguous bf16 [2S, H={H}] / [H, S]")
     status = cpu_build.lib().moe_bf16w(x_TH.data_ptr(), x_TH.stride(0), T, H, w13_E2IH.data_ptr(),
                                        w2_EHI.data_ptr(), E, I, ids_TK.data_ptr(), weights_TK.data_ptr(), K,
-                                       out_TH.data_ptr())
+                                       out_TH.data_ptr(), shared_w13_2SH.data_ptr() if shared else None,
+                                       shared_w2_HS.shape[1] if shared else 0,
+                                       shared_w2_HS.data_ptr() if shared else None)
     if status > 0:
         bad = ids_TK.reshape(-1)[status - 1].item()
         raise ValueError(f"topk_ids must lie in [-1, {E}) for {E} local experts, got {bad}")

@@ -97,23 +97,25 @@ def mla_cache_write(kv_TD: torch.Tensor, norm_weight_C: torch.Tensor, eps: float
                                          kv_cache_NbD.data_ptr(), slots_T.data_ptr(), T, C, D - C)
 
 
-def route_noaux_tc(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, num_groups: int, topk_group: int,
-                   top_k: int, norm_topk_prob: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's routing (noaux_tc, sigmoid) of float32 logits: (weights [T, K] float32, ids [T, K] int64),
-    ids in descending order of choice. Reference: experts.router.route (the torch version the model uses
-    elsewhere); the caller checks `route_fits`."""
-    T, E = logits_TE.shape
+def route_noaux_tc(x_TH: torch.Tensor, gate_weight_EH: torch.Tensor, bias_E: torch.Tensor | None, num_groups: int,
+                   topk_group: int, top_k: int, norm_topk_prob: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (noaux_tc, sigmoid) of float32 x by a float32 gate weight, logits included:
+    (weights [T, K] float32, ids [T, K] int64), ids in descending order of choice. Reference:
+    experts.router.route (the torch version the model uses elsewhere); the caller checks `route_fits`."""
+    T, H = x_TH.shape
+    E = gate_weight_EH.shape[0]
     ids_TK = torch.empty(T, top_k, dtype=torch.int64)
     weights_TK = torch.empty(T, top_k, dtype=torch.float32)
     bias_ptr = None if bias_E is None else bias_E.data_ptr()
-    cpu_build.lib().route_noaux_tc_f32(logits_TE.data_ptr(), bias_ptr, T, E, num_groups, topk_group, top_k,
-                                       int(norm_topk_prob), scale, ids_TK.data_ptr(), weights_TK.data_ptr())
+    cpu_build.lib().route_noaux_tc_f32(x_TH.data_ptr(), x_TH.stride(0), gate_weight_EH.data_ptr(), H, bias_ptr, T, E,
+                                       num_groups, topk_group, top_k, int(norm_topk_prob), scale, ids_TK.data_ptr(),
+                                       weights_TK.data_ptr())
     return weights_TK, ids_TK
 
 
-def route_fits(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, num_groups: int, topk_group: int,
-               top_k: int) -> bool:
-    E = logits_TE.shape[1]
-    return (_f32_cpu(logits_TE) and logits_TE.is_contiguous() and E % num_groups == 0
-            and top_k <= topk_group * (E // num_groups)
+def route_fits(x_TH: torch.Tensor, gate_weight_EH: torch.Tensor, bias_E: torch.Tensor | None, num_groups: int,
+               topk_group: int, top_k: int) -> bool:
+    E = gate_weight_EH.shape[0]
+    return (_f32_cpu(x_TH, gate_weight_EH) and x_TH.dim() == 2 and x_TH.stride(1) == 1
+            and gate_weight_EH.is_contiguous() and E % num_groups == 0 and top_k <= topk_group * (E // num_groups)
             and (bias_E is None or (_f32_cpu(bias_E) and bias_E.is_contiguous() and bias_E.numel() == E)))

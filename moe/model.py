@@ -16,7 +16,7 @@ from experts.dispatch import DispatchStats, combine, dispatch
 from experts.relocate import relocate
 from experts.router import RouterConfig, route
 from experts.weights import ExpertWeights
-from kernels import fused_moe
+from kernels import cpu_moe, fused_moe
 from moe.attention import AttentionMetadata, MLAttention
 from moe.config import ModelConfig
 from moe.layers import MLP, RMSNorm, RotaryEmbedding
@@ -46,7 +46,8 @@ class MoEBlock(nn.Module):
         holds expert i). More slots than experts means redundant replicas of some experts."""
         super().__init__()
         self.router_config = RouterConfig.from_model(cfg)
-        self.use_cpu_router = False  # set where bf16 weights compute in float32 (kernels/cpu_ops.py)
+        self.use_cpu_kernels = False  # set by hold_cpu_kernels_weights (bf16 weights computing in float32)
+        self.shared_w13: torch.Tensor | None = None  # then: the shared expert's gate and up rows, one tensor
         self.tp_group, self.ep_group = tp_group, ep_group
         tp_rank, tp_size = group_rank_size(tp_group)
         ep_rank, ep_size = group_rank_size(ep_group)
@@ -72,6 +73,19 @@ class MoEBlock(nn.Module):
         # bound to this layer); it counts on the device, without a host sync. None = not recording.
         self.load_recorder: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
+    def hold_cpu_kernels_weights(self) -> None:
+        """Route and run the experts through the CPU kernels of bf16 weights computing in float32: the router in
+        C, and (without expert parallelism) the shared expert in the routed experts' call, its gate and up
+        weights made one tensor (the MLP's weights become views of it)."""
+        self.use_cpu_kernels = True
+        mlp = self.shared_experts
+        if mlp is None or mlp.gate_proj.weight.dtype != torch.bfloat16 or mlp.down_proj.weight.dtype != torch.bfloat16:
+            return
+        self.shared_w13 = torch.cat([mlp.gate_proj.weight.data, mlp.up_proj.weight.data]).contiguous()
+        S = mlp.gate_proj.weight.shape[0]
+        mlp.gate_proj.weight.data, mlp.up_proj.weight.data = self.shared_w13[:S], self.shared_w13[S:]
+        mlp.down_proj.weight.data = mlp.down_proj.weight.data.contiguous()
+
     def set_placement(self, phy2log_R: list[int]) -> None:
         """Which expert each physical slot holds (the maps only; weights move with `relocate_experts`)."""
         self.phy2log_R = list(phy2log_R)
@@ -91,12 +105,17 @@ class MoEBlock(nn.Module):
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         topk_weights_TK, topk_ids_TK = route(x_TH, self.gate.weight, self.router_config,
-                                             self.gate.e_score_correction_bias, self.use_cpu_router)
+                                             self.gate.e_score_correction_bias, self.use_cpu_kernels)
         phy_ids_TK = topk_ids_TK if self.identity_placement else \
             logical_to_physical(topk_ids_TK, self.log2phy_EX, self.logcnt_E)
         if self.load_recorder is not None:
             self.load_recorder(topk_ids_TK, phy_ids_TK)
         w13, w2 = self.experts.w13, self.experts.w2
+        if self.shared_w13 is not None and group_rank_size(self.ep_group)[1] == 1 and cpu_moe.fits(x_TH, w13, w2):
+            # routed and shared experts in one C call (kernels/cpu_moe.py)
+            y_TH = cpu_moe.fused_moe_bf16w(x_TH, w13, w2, topk_weights_TK, phy_ids_TK, self.shared_w13,
+                                           self.shared_experts.down_proj.weight)
+            return all_reduce(y_TH, self.tp_group)
         if group_rank_size(self.ep_group)[1] == 1:
             y_TH = fused_moe(x_TH, w13, w2, topk_weights_TK, phy_ids_TK)
         else:
@@ -213,7 +232,7 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.use_cpu_kernel = True
             if isinstance(module, MoEBlock):
-                module.use_cpu_router = True
+                module.hold_cpu_kernels_weights()
 
     def after_loading(self) -> None:
         for layer in self.model.layers[self.model.start:self.model.end]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from experts.router import RouterConfig, route
 from kernels import cpu_bf16w, cpu_build, cpu_mla, cpu_moe, cpu_ops, fused_moe, fused_moe_reference
@@ -81,6 +82,25 @@ def test_one_call_experts_equal_reference(T, E, K):
 
 
 @needs_kernels
+@pytest.mark.parametrize("T,K,S", [(1, 2, 24), (7, 1, 40), (300, 2, 16)])
+def test_one_call_experts_add_the_shared_expert(T, K, S):
+    torch.manual_seed(T + S)
+    E, H, I = 5, 40, 24
+    x = torch.randn(T, H)
+    w13, w2 = (torch.randn(E, 2 * I, H) / 6).bfloat16(), (torch.randn(E, H, I) / 5).bfloat16()
+    sw13, sw2 = (torch.randn(2 * S, H) / 6).bfloat16(), (torch.randn(H, S) / 5).bfloat16()
+    ids, weights = torch.stack([torch.randperm(E)[:K] for _ in range(T)]), torch.rand(T, K)
+    ids[0, 0] = -1
+    gate, up = F.linear(x, sw13[:S].float()), F.linear(x, sw13[S:].float())
+    shared = F.linear(F.silu(gate) * up, sw2.float())
+    want = fused_moe_reference(x, w13.float(), w2.float(), weights, ids) + shared
+    got = cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids, sw13, sw2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="shared expert weights"):
+        cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids, sw13, sw2.t())
+
+
+@needs_kernels
 def test_one_call_experts_reject_bad_ids_and_skip_all_minus_one():
     x, w13, w2 = torch.randn(2, 16), torch.randn(3, 16, 16).bfloat16(), torch.randn(3, 16, 8).bfloat16()
     with pytest.raises(ValueError, match=r"must lie in \[-1, 3\)"):
@@ -151,7 +171,7 @@ def test_router_equals_reference(E, G, topk_group, K, bias):
     torch.manual_seed(E + K)
     rc = RouterConfig(num_experts=E, top_k=K, topk_method="noaux_tc", scoring_func="sigmoid", num_groups=G,
                       topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=2.5)
-    x, gate = torch.randn(20, 24), torch.randn(E, 24) / 4
+    x, gate = torch.randn(20, 24), torch.randn(E, 24) / 4  # H 24: the logits' vector loop and its tail
     bias_E = torch.randn(E) * 0.1 if bias else None
     want_w, want_ids = route(x, gate, rc, bias_E)
     got_w, got_ids = route(x, gate, rc, bias_E, cpu_kernel=True)

@@ -55,12 +55,14 @@ void rope_f32(const float *x, int64_t ldx_t, int64_t ldx_n, const float *cos_, c
     }
 }
 
-/* DeepSeek-V3 routing (topk_method noaux_tc, scoring_func sigmoid) of logits [T, E] (contiguous):
- * scores s = sigmoid(logits); choice c = s + bias (bias may be NULL); groups of E / G experts rank by the
- * sum of their two best c; among the topk_group best groups the K best c are chosen (in descending
- * order); weights are their s, divided by their sum (norm, K > 1), times scale. ids, wts: [T, K]. */
-void route_noaux_tc_f32(const float *logits, const float *bias, int64_t T, int64_t E, int64_t G, int64_t topk_group,
-                        int64_t K, int64_t norm, float scale, int64_t *ids, float *wts) {
+/* DeepSeek-V3 routing (topk_method noaux_tc, scoring_func sigmoid) of x [T, H] (row stride ldx) by the gate
+ * weight [E, H] (contiguous), all float32: logits = x gate^T; scores s = sigmoid(logits); choice
+ * c = s + bias (bias may be NULL); groups of E / G experts rank by the sum of their two best c; among the
+ * topk_group best groups the K best c are chosen (in descending order); weights are their s, divided by
+ * their sum (norm, K > 1), times scale. ids, wts: [T, K]. */
+void route_noaux_tc_f32(const float *x, int64_t ldx, const float *gate, int64_t H, const float *bias, int64_t T,
+                        int64_t E, int64_t G, int64_t topk_group, int64_t K, int64_t norm, float scale, int64_t *ids,
+                        float *wts) {
     int64_t per = E / G;
     float *s = thread_scratch((size_t)(2 * E + G) * sizeof(float));
     if (!s) {  /* no memory: mark every slot as routed nowhere */
@@ -69,9 +71,15 @@ void route_noaux_tc_f32(const float *logits, const float *bias, int64_t T, int64
     }
     float *c = s + E, *gs = c + E;
     for (int64_t t = 0; t < T; t++) {
-        const float *lt = logits + t * E;
+        const float *xt = x + t * ldx;
         for (int64_t e = 0; e < E; e++) {
-            s[e] = 1.0f / (1.0f + expf(-lt[e]));
+            const float *ge = gate + e * H;
+            __m256 acc = _mm256_setzero_ps();
+            int64_t h = 0;
+            for (; h + 8 <= H; h += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xt + h), _mm256_loadu_ps(ge + h), acc);
+            float logit = hsum8(acc);
+            for (; h < H; h++) logit += xt[h] * ge[h];
+            s[e] = 1.0f / (1.0f + expf(-logit));
             c[e] = bias ? s[e] + bias[e] : s[e];
         }
         for (int64_t g = 0; g < G; g++) {  /* group score: the sum of its two best choices */

@@ -75,12 +75,13 @@ void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, f
     int nt = threads_for_region();
     if (nt > 1 && O >= 16 && O * K >= PARALLEL_MIN_WEIGHTS) {
 #ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-        {   /* each thread a contiguous run of weight rows, multiples of 8 */
-            int t = thread_index(), n = omp_get_num_threads();
-            int64_t o0 = (O * t / n) & ~(int64_t)7, o1 = t == n - 1 ? O : (O * (t + 1) / n) & ~(int64_t)7;
-            if (o1 > o0) linear_serial(x, ldx, w + o0 * ldw, ldw, y + o0, ldy, M, K, o1 - o0);
-        }
+        /* runs of weight rows (multiples of 8, about 8 per thread) handed out as threads come free: a thread
+         * that another process preempts holds up the others by one run, not by its whole share */
+        int64_t run = (O / (8 * nt) + 7) & ~(int64_t)7;
+        if (run < 16) run = 16;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int64_t o0 = 0; o0 < O; o0 += run)
+            linear_serial(x, ldx, w + o0 * ldw, ldw, y + o0, ldy, M, K, O - o0 < run ? O - o0 : run);
         return;
 #endif
     }
