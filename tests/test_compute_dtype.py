@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels import cpu_build, cpu_mla, cpu_moe
@@ -18,6 +19,18 @@ def test_compute_dtype_follows_the_cpu():
     assert compute_dtype(torch.float32, cpu) == torch.float32
     assert compute_dtype(torch.float16, cpu) == torch.float16
     assert compute_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if bf16_supported() else torch.float32)
+
+
+def test_compute_dtype_can_be_chosen(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("MOE_CPU_BF16_COMPUTE", "float32")
+    assert compute_dtype(torch.bfloat16, cpu) == torch.float32
+    assert compute_dtype(torch.float16, cpu) == torch.float16  # only bf16 is widened
+    monkeypatch.setenv("MOE_CPU_BF16_COMPUTE", "bfloat16")
+    assert compute_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    monkeypatch.setenv("MOE_CPU_BF16_COMPUTE", "fp32")
+    with pytest.raises(ValueError, match="MOE_CPU_BF16_COMPUTE must be auto, float32 or bfloat16"):
+        compute_dtype(torch.bfloat16, cpu)
 
 
 def test_bf16_without_bf16_arithmetic(tmp_path, monkeypatch, caplog):
