@@ -23,7 +23,7 @@ def available() -> bool:
 def fits(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor) -> bool:
     """Whether the kernel takes these inputs: float32 queries with unit stride within a head, a contiguous
     bf16 cache on CPU, and the kernels built."""
-    return (q_BND.dtype == torch.float32 and kv_cache_NbD.dtype == torch.bfloat16 and q_BND.device.type == "cpu"
+    return (q_BND.dtype == torch.float32 and kv_cache_NbD.dtype == torch.bfloat16 and q_BND.is_cpu
             and q_BND.stride(2) == 1 and kv_cache_NbD.is_contiguous() and available())
 
 

@@ -19,7 +19,7 @@ from kernels import cpu_build
 def fits(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> bool:
     """float32 x with unit column stride, contiguous bf16 expert weights, on CPU, and the kernels built."""
     return (x_TH.dtype == torch.float32 and w13_E2IH.dtype == w2_EHI.dtype == torch.bfloat16
-            and x_TH.device.type == "cpu" and x_TH.stride(1) == 1 and w13_E2IH.is_contiguous()
+            and x_TH.is_cpu and x_TH.stride(1) == 1 and w13_E2IH.is_contiguous()
             and w2_EHI.is_contiguous() and cpu_build.lib() is not None)
 
 

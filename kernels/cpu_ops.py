@@ -14,7 +14,7 @@ from kernels import cpu_build
 
 
 def _f32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and cpu_build.lib() is not None
+    return all(t.dtype == torch.float32 and t.is_cpu for t in tensors) and cpu_build.lib() is not None
 
 
 def rms_norm_reference(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:

@@ -161,26 +161,32 @@ class MLAttention(nn.Module):
         if meta.num_decodes:
             idx_B = meta.decode_token_idx_B
             # Absorb W_UK: q_lat[b, n] = W_UK[n]^T q_nope[b, n]; attend in latent space; lift out with W_UV.
-            if self.w_uk_NCD is None:
-                q_lat_BNC = torch.bmm(q_nope_TND[idx_B].transpose(0, 1), self.w_uk_NDC).transpose(0, 1)
-            else:
-                q_lat_BNC = cpu_bf16w.bmm(q_nope_TND[idx_B].transpose(0, 1), self.w_uk_NCD).transpose(0, 1)
-            q_BNK = torch.cat((q_lat_BNC, q_pe_TNR[idx_B]), dim=-1)
+            q_BNK = torch.cat((self._absorb_uk(q_nope_TND[idx_B]), q_pe_TNR[idx_B]), dim=-1)
             if self.w_uk_NCD is not None and cpu_mla.fits(q_BNK, kv_cache_NBD):
-                out_lat_BNC = cpu_mla.mla_decode(q_BNK, kv_cache_NBD, meta.decode_block_tables_BM,
-                                                 meta.decode_context_lens_B, C, self.scale)
+                _, tables_BM, lens_B, max_len = meta.decode_i64()
+                out_lat_BNC = q_BNK.new_empty(q_BNK.shape[0], N, C)
+                cpu_mla.mla_decode_into(q_BNK, kv_cache_NBD, tables_BM, lens_B, C, self.scale, None, max_len,
+                                        out_lat_BNC)
             else:
                 out_lat_BNC = torch.cat([self._decode(q_BNK[start:end], kv_cache_NBD, meta, start, end, blocks)
                                          for start, end, blocks in meta.groups()])
-            if self.w_uk_NCD is None:
-                out_BNV = torch.bmm(out_lat_BNC.transpose(0, 1), self.w_uv_NVC.transpose(1, 2)).transpose(0, 1)
-            else:
-                out_BNV = cpu_bf16w.bmm(out_lat_BNC.transpose(0, 1), self.w_uv_NVC).transpose(0, 1)
-            out_TNV[idx_B] = out_BNV
+            out_TNV[idx_B] = self._absorb_uv(out_lat_BNC)
         for seq in meta.prefills:
             rows = slice(seq.token_start, seq.token_start + seq.num_query)
             out_TNV[rows] = self._prefill(q_nope_TND[rows], q_pe_TNR[rows], kv_cache_NBD, seq)
         return self.o_proj(out_TNV.reshape(T, N * self.v_dim))
+
+    def _absorb_uk(self, q_nope_BND: torch.Tensor) -> torch.Tensor:
+        """W_UK[n]^T q_nope[b, n] for every head: [B, N, C]."""
+        if self.w_uk_NCD is None:
+            return torch.bmm(q_nope_BND.transpose(0, 1), self.w_uk_NDC).transpose(0, 1)
+        return cpu_bf16w.bmm(q_nope_BND.transpose(0, 1), self.w_uk_NCD).transpose(0, 1)
+
+    def _absorb_uv(self, out_lat_BNC: torch.Tensor) -> torch.Tensor:
+        """W_UV[n] out_lat[b, n] for every head: [B, N, Dv]."""
+        if self.w_uk_NCD is None:
+            return torch.bmm(out_lat_BNC.transpose(0, 1), self.w_uv_NVC.transpose(1, 2)).transpose(0, 1)
+        return cpu_bf16w.bmm(out_lat_BNC.transpose(0, 1), self.w_uv_NVC).transpose(0, 1)
 
     def _decode_cpu(self, q_nope_TND: torch.Tensor, q_pe_TNR: torch.Tensor, cos_TR2: torch.Tensor,
                     sin_TR2: torch.Tensor, kv_cache_NBD: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
