@@ -88,6 +88,7 @@ class ExpertLoadRecorder:
         self._step_LR = self._ring_WLR = self._total_LR = self._record_LR = None
         self._alloc_slot_counts()
         self._measured_slots = False  # set once a caller passes the slot ids it used
+        self._ones = torch.ones(256, dtype=torch.int64, device=self.device)
         self._pos = 0  # ring row the next completed step goes to
         self.steps_total = 0
         self.steps_recorded = 0
@@ -109,11 +110,14 @@ class ExpertLoadRecorder:
     # ---- hot path (inside the forward pass) --------------------------------------------------------
     def record(self, layer: int, topk_ids_TK: torch.Tensor, phy_ids_TK: torch.Tensor | None = None) -> None:
         ids = topk_ids_TK.reshape(-1).long()
-        self._step_LE[layer].index_add_(0, ids, torch.ones_like(ids))
+        if self._ones.numel() < ids.numel():  # the values to add, one per id: kept between calls
+            self._ones = torch.ones(max(ids.numel(), 2 * self._ones.numel()), dtype=torch.int64, device=self.device)
+        ones = self._ones[:ids.numel()]
+        self._step_LE[layer].index_add_(0, ids, ones)
         if phy_ids_TK is not None:
             self._measured_slots = True
-            slots = phy_ids_TK.reshape(-1).long()
-            self._step_LR[layer].index_add_(0, slots, torch.ones_like(slots))
+            slots = ids if phy_ids_TK is topk_ids_TK else phy_ids_TK.reshape(-1).long()
+            self._step_LR[layer].index_add_(0, slots, ones)
 
     def _alloc_slot_counts(self) -> None:
         L, R, dev = self.num_layers, self.num_slots, self.device

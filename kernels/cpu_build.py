@@ -1,6 +1,6 @@
 """Builds and loads the CPU kernels of kernels/csrc (AVX2 + FMA C, no Python or torch headers) as one
 shared library, compiled once per machine with the system C compiler into a cache folder (about a second)
-and called through ctypes. The modules beside each kernel (cpu_bf16w.py, cpu_mla.py, cpu_moe.py, cpu_ops.py) hold
+and called through ctypes. The modules beside each kernel (cpu_bf16w.py, cpu_mla.py, cpu_moe.py, cpu_ops.py, cpu_decode_layer.py) hold
 their torch references and fall back to them where `lib()` is None: no compiler, or a CPU without AVX2
 and FMA.
 """
@@ -37,6 +37,8 @@ SIGNATURES = {  # name: (argument types, return type)
     "route_noaux_tc_f32": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _P], None),
     "mla_cache_write_bf16": ([_P, _I64, _P, _F32, _P, _P, _I64, _P, _P, _I64, _I64, _I64], None),
     "moe_bf16w": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P], _I64),
+    "decode_layer_struct_size": ([], _I64),
+    "decode_layer_f32": ([_P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _P], _I64),
 }
 
 

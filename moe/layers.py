@@ -96,6 +96,15 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp_group)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp_group)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_group, reduce=reduce)
+        self.w13: torch.Tensor | None = None  # set by hold_gate_up_together
+
+    def hold_gate_up_together(self) -> None:
+        """Hold the gate and up weights as one tensor (gate rows, then up rows; the two linears' weights become
+        views of it) and the down weight contiguous, for the CPU kernels that run an MLP in one call."""
+        self.w13 = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data]).contiguous()
+        rows = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight.data, self.up_proj.weight.data = self.w13[:rows], self.w13[rows:]
+        self.down_proj.weight.data = self.down_proj.weight.data.contiguous()
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))

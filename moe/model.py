@@ -6,6 +6,7 @@ Legend: T = tokens in the step, H = hidden size, V = vocabulary, E = routed expe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -16,11 +17,13 @@ from experts.dispatch import DispatchStats, combine, dispatch
 from experts.relocate import relocate
 from experts.router import RouterConfig, route
 from experts.weights import ExpertWeights
-from kernels import cpu_moe, fused_moe
+from kernels import cpu_build, cpu_decode_layer, cpu_moe, fused_moe
 from moe.attention import AttentionMetadata, MLAttention
 from moe.config import ModelConfig
 from moe.layers import MLP, RMSNorm, RotaryEmbedding
 from moe.parallel_linear import PackedLinear, ParallelLMHead, VocabParallelEmbedding, all_reduce, group_rank_size
+
+log = logging.getLogger(__name__)
 
 
 class Gate(nn.Module):
@@ -81,10 +84,8 @@ class MoEBlock(nn.Module):
         mlp = self.shared_experts
         if mlp is None or mlp.gate_proj.weight.dtype != torch.bfloat16 or mlp.down_proj.weight.dtype != torch.bfloat16:
             return
-        self.shared_w13 = torch.cat([mlp.gate_proj.weight.data, mlp.up_proj.weight.data]).contiguous()
-        S = mlp.gate_proj.weight.shape[0]
-        mlp.gate_proj.weight.data, mlp.up_proj.weight.data = self.shared_w13[:S], self.shared_w13[S:]
-        mlp.down_proj.weight.data = mlp.down_proj.weight.data.contiguous()
+        mlp.hold_gate_up_together()
+        self.shared_w13 = mlp.w13
 
     def set_placement(self, phy2log_R: list[int]) -> None:
         """Which expert each physical slot holds (the maps only; weights move with `relocate_experts`)."""
@@ -148,10 +149,62 @@ class DecoderLayer(nn.Module):
                     else MLP(cfg.hidden_size, cfg.intermediate_size, tp_group))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.parallel = group_rank_size(tp_group)[1] > 1 or group_rank_size(ep_group)[1] > 1
+        self.decode_kernel: cpu_decode_layer.DecodeLayerKernel | None = None  # set by hold_decode_kernel
 
     def forward(self, x_TH, cos_TR2, sin_TR2, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if (self.decode_kernel is not None and meta.all_decode
+                and cpu_decode_layer.fits(x_TH, cos_TR2, sin_TR2, kv_cache, meta.slot_mapping_T)):
+            return self._decode_in_one_call(x_TH, cos_TR2, sin_TR2, kv_cache, meta)
         x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), cos_TR2, sin_TR2, kv_cache, meta)
         return x_TH + self.mlp(self.post_attention_layernorm(x_TH))
+
+    def hold_decode_kernel(self) -> None:
+        """Run all-decode steps through one C call for the whole layer (kernels/cpu_decode_layer.py): where the
+        weights are held for the CPU kernels (after MoEBlock.hold_cpu_kernels_weights), without tensor or
+        expert parallelism, with DeepSeek-V3's routing. Elsewhere the layer stays as it is."""
+        attn, mlp = self.self_attn, self.mlp
+        if self.parallel or attn.w_uk_NCD is None or cpu_build.lib() is None:
+            return
+        router = w13 = w2 = None
+        if isinstance(mlp, MoEBlock):
+            rc = mlp.router_config
+            if not (mlp.use_cpu_kernels and mlp.identity_placement and rc.topk_method == "noaux_tc"
+                    and rc.scoring_func == "sigmoid" and (mlp.shared_experts is None or mlp.shared_w13 is not None)):
+                return
+            router = cpu_decode_layer.Router(mlp.gate.weight, mlp.gate.e_score_correction_bias, rc.num_groups,
+                                             rc.topk_group, rc.top_k, rc.norm_topk_prob, rc.routed_scaling_factor)
+            w13, w2, dense = mlp.experts.w13, mlp.experts.w2, mlp.shared_experts
+        else:
+            if mlp.gate_proj.weight.dtype != torch.bfloat16:
+                return
+            mlp.hold_gate_up_together()
+            dense = mlp
+        norm = lambda m: (m.weight, m.eps)  # noqa: E731
+        q_lora = attn.q_lora_rank is not None
+        weights = cpu_decode_layer.LayerWeights(
+            in_norm=norm(self.input_layernorm), q_a=attn.q_a_proj.weight if q_lora else None,
+            q_a_norm=norm(attn.q_a_layernorm) if q_lora else None,
+            q_b=attn.q_b_proj.weight if q_lora else attn.q_proj.weight, kv_a=attn.kv_a_proj_with_mqa.weight,
+            kv_a_norm=norm(attn.kv_a_layernorm), w_uk_NCD=attn.w_uk_NCD, w_uv_NVC=attn.w_uv_NVC,
+            o=attn.o_proj.weight, softmax_scale=attn.scale, rope_interleaved=attn.rope.interleaved,
+            post_norm=norm(self.post_attention_layernorm), router=router, w13=w13, w2=w2,
+            mlp_w13=None if dense is None else dense.w13, mlp_w2=None if dense is None else dense.down_proj.weight)
+        try:
+            self.decode_kernel = cpu_decode_layer.DecodeLayerKernel(weights)
+        except ValueError as err:  # a weight the kernel cannot take: the layer keeps its module path
+            log.info("decode steps run layer by layer: %s", err)
+
+    def _decode_in_one_call(self, x_TH, cos_TR2, sin_TR2, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        rows_B, tables_BM, lens_B, max_len = meta.decode_i64()
+        x_TH = x_TH.clone()
+        recorder = getattr(self.mlp, "load_recorder", None)
+        ids_TK = None if recorder is None else torch.empty(x_TH.shape[0], self.decode_kernel.top_k, dtype=torch.int64)
+        self.decode_kernel.forward(x_TH, cos_TR2, sin_TR2, kv_cache, meta.slot_mapping_T, rows_B, tables_BM, lens_B,
+                                   max_len, ids_TK)
+        if recorder is not None:
+            recorder(ids_TK, ids_TK)  # one slot per expert here: physical ids are the logical ones
+        return x_TH
 
 
 class MissingLayer(nn.Module):
@@ -233,6 +286,8 @@ class DeepseekForCausalLM(nn.Module):
                 module.use_cpu_kernel = True
             if isinstance(module, MoEBlock):
                 module.hold_cpu_kernels_weights()
+        for layer in self.model.layers[self.model.start:self.model.end]:
+            layer.hold_decode_kernel()
 
     def after_loading(self) -> None:
         for layer in self.model.layers[self.model.start:self.model.end]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_mla, cpu_moe
+from kernels import cpu_build, cpu_decode_layer, cpu_mla, cpu_moe
 from kernels.cpu_linear import bf16_supported
 from moe.tiny import make_checkpoint
 from server import LLM, SamplingParams
@@ -60,15 +60,18 @@ def test_bf16_without_bf16_arithmetic(tmp_path, monkeypatch, caplog):
         else:
             assert torch.equal(weights[name].float(), q), name
 
-    calls = {"mla": 0, "moe": 0}  # where the kernels can be built, the decode steps must run through them
-    for module, name, key in ((cpu_mla, "mla_decode_into", "mla"), (cpu_moe, "fused_moe_bf16w", "moe")):
+    # where the kernels can be built, steps must run through them: all-decode steps one layer per call
+    # (cpu_decode_layer), steps with prompt chunks through the MLA and experts kernels
+    calls = {"mla": 0, "moe": 0, "layer": 0}
+    for module, name, key in ((cpu_mla, "mla_decode_into", "mla"), (cpu_moe, "fused_moe_bf16w", "moe"),
+                              (cpu_decode_layer.DecodeLayerKernel, "forward", "layer")):
         def counted(*args, _fn=getattr(module, name), _key=key):
             calls[_key] += 1
             return _fn(*args)
         monkeypatch.setattr(module, name, counted)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     outputs = llm.generate(PROMPTS, params)
-    assert (calls["mla"] > 0 and calls["moe"] > 0) == (cpu_build.lib() is not None), calls
+    assert (calls["mla"] > 0 and calls["moe"] > 0 and calls["layer"] > 0) == (cpu_build.lib() is not None), calls
     for a, b in zip(outputs, full.generate(PROMPTS, params)):
         a, b = a.outputs[0], b.outputs[0]
         assert a.token_ids == b.token_ids

@@ -140,6 +140,17 @@ def test_kernels_split_over_two_threads_equal_references():
         ids, weights = torch.randint(0, E, (9, 1)), torch.rand(9, 1)
         torch.testing.assert_close(cpu_moe.fused_moe_bf16w(xm, w13, w2, weights, ids),
                                    fused_moe_reference(xm, w13.float(), w2.float(), weights, ids), rtol=1e-4, atol=1e-5)
+        # many experts' chunks and the shared expert's: threads take whole chunks, a token's sum in a fixed order
+        T, K, S = 300, 3, 40
+        xm, ids = torch.randn(T, H), torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+        ids[::5, 1] = -1
+        weights = torch.rand(T, K)
+        sw13, sw2 = (torch.randn(2 * S, H) / 16).bfloat16(), (torch.randn(H, S) / 16).bfloat16()
+        shared = F.linear(F.silu(F.linear(xm, sw13[:S].float())) * F.linear(xm, sw13[S:].float()), sw2.float())
+        got = cpu_moe.fused_moe_bf16w(xm, w13, w2, weights, ids, sw13, sw2)
+        torch.testing.assert_close(got, fused_moe_reference(xm, w13.float(), w2.float(), weights, ids) + shared,
+                                   rtol=1e-4, atol=1e-5)
+        assert torch.equal(got, cpu_moe.fused_moe_bf16w(xm, w13, w2, weights, ids, sw13, sw2))  # deterministic
     finally:
         torch.set_num_threads(before)
 
@@ -208,3 +219,42 @@ def test_mla_cache_write_equals_reference(interleaved):
     cpu_ops.mla_cache_write_reference(kv, w, 1e-6, cos, sin, interleaved, want, slots)
     assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-8  # one bf16 ulp at most
     assert got.view(-1, C + R)[[1, 2, 3, 4, 6, 7, 8, 10, 11]].eq(0).all()  # other slots untouched
+
+
+@needs_kernels
+@pytest.mark.parametrize("preset,overrides,fused_layers", [
+    ("v3", None, [0, 1, 2, 3]),                       # dense first layer, then routed + shared experts
+    ("v3", {"n_shared_experts": 0}, [0, 1, 2, 3]),    # routed experts alone
+    ("v2", None, [0]),                                # q without compression; softmax routing stays layer by layer
+])
+def test_decode_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch, preset, overrides, fused_layers):
+    """All-decode steps run each layer in one C call (kernels/cpu_decode_layer.py) where it can: the same
+    greedy tokens, logprobs and recorded expert load as the model's layer-by-layer kernel calls."""
+    import server.runner
+    from kernels.cpu_decode_layer import DecodeLayerKernel
+    from moe.tiny import make_checkpoint
+    from server import LLM, SamplingParams
+
+    monkeypatch.setattr(server.runner, "bf16_supported", lambda: False)  # bf16 weights, float32 compute
+    ckpt = make_checkpoint(tmp_path / preset, preset, dtype="bfloat16", overrides=overrides)
+    fused, plain = (LLM(ckpt, dtype="bfloat16", max_num_batched_tokens=16) for _ in range(2))
+    layers = fused.engine.runner.model.model.layers
+    assert [i for i, layer in enumerate(layers) if layer.decode_kernel is not None] == fused_layers
+    for layer in plain.engine.runner.model.model.layers:
+        layer.decode_kernel = None
+    calls = []
+    monkeypatch.setattr(DecodeLayerKernel, "forward",
+                        lambda self, x, *a, _f=DecodeLayerKernel.forward: calls.append(x.shape[0]) or _f(self, x, *a))
+    for llm in (fused, plain):
+        llm.engine.enable_expert_load_recording(1000)
+    prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    got, want = fused.generate(prompts, params), plain.generate(prompts, params)
+    assert calls and max(calls) == len(prompts)  # decode steps of all three sequences went through it
+    for a, b in zip(got, want):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        for t, step_a, step_b in zip(a.token_ids, a.logprobs, b.logprobs):
+            assert abs(step_a[t] - step_b[t]) < 1e-4
+    if preset == "v3":
+        assert fused.expert_load("total") == plain.expert_load("total")

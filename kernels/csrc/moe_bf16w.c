@@ -3,12 +3,14 @@
  *
  *   out[t] = sum_k wts[t, k] * w2[e] (silu(gate) * up),  gate | up = w13[e] x[t],  e = ids[t, k] != -1
  *
- * Pairs (t, k) are counted into expert order (stable), then each expert's rows, up to CHUNK at a time,
- * are gathered, multiplied by w13[e] and w2[e] through linear_bf16w (which reads each weight once for all
- * the rows, split over the threads) and added into out in that order.
+ * Pairs (t, k) are counted into expert order (stable); each expert's rows, up to CHUNK at a time, are one
+ * work item: gathered, multiplied by w13[e] and w2[e] through linear_bf16w (which reads each weight once for
+ * all the rows) with a vectorised SiLU between. With one thread, or fewer than two items per thread, items
+ * run in turn, each product splitting its weight rows over the threads, and add into out as they finish;
+ * otherwise threads take whole items and out is summed per token afterwards (see moe_bf16w).
  *
  * With sw13 (may be NULL) a shared expert of intermediate size Is, sw13 [2 Is, H] and sw2 [H, Is], is added
- * for every token after the routed ones (DeepSeek's shared experts, weight 1).
+ * for every token after the routed ones (DeepSeek's shared experts, weight 1); with E = 0 it is a dense MLP.
  *
  * Shapes: x [T, H] (row stride ldx), w13 [E, 2I, H] and w2 [E, H, I] bf16 contiguous, ids [T, K] int64
  * and wts [T, K] float32 contiguous, out [T, H] float32 contiguous (overwritten).
@@ -20,12 +22,23 @@
 #include "bf16w.h"
 
 #define CHUNK 256
+#define SHARED_CHUNK 64  /* the shared expert's items: every token's, so smaller, for the threads' balance */
+#define PAIR_BUFFER_MAX ((size_t)256 << 20)  /* bytes of per-pair outputs beyond which experts go one by one */
 
-/* h[r, :I] <- silu(h[r, :I]) * h[r, I:2I] for R rows of stride 2I */
+/* h[r, :I] <- silu(h[r, :I]) * h[r, I:2I] for R rows of stride 2I; sigmoid from exp(-|g|) <= 1 */
 static void silu_and_mul(float *h, int64_t R, int64_t I) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = 0; r < R; r++) {
         float *g = h + r * 2 * I, *u = g + I;
-        for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + __builtin_expf(-g[i])) * u[i];
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 v = _mm256_loadu_ps(g + i);
+            __m256 e = exp_neg(_mm256_or_ps(v, sign));
+            __m256 d = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            __m256 sig = _mm256_blendv_ps(_mm256_mul_ps(e, d), d, _mm256_cmp_ps(v, zero, _CMP_GE_OQ));
+            _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(v, sig), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) g[i] = g[i] / (1.0f + __builtin_expf(-g[i])) * u[i];
     }
 }
 
@@ -38,6 +51,14 @@ static inline void add_scaled(float *o, const float *y, float w, int64_t H) {
     for (; c < H; c++) o[c] += w * y[c];
 }
 
+/* y [R, H] = w2 (silu(gate) * up) with gate | up = w13 x for R rows of x (row stride ldx); h [R, 2I] scratch */
+static inline void expert_rows(const float *x, int64_t ldx, int64_t R, int64_t H, const uint16_t *w13,
+                               const uint16_t *w2, int64_t I, float *h, float *y) {
+    linear_bf16w(x, ldx, w13, H, h, 2 * I, R, H, 2 * I);
+    silu_and_mul(h, R, I);
+    linear_bf16w(h, 2 * I, w2, I, y, H, R, I, H);
+}
+
 int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint16_t *w13, const uint16_t *w2,
                   int64_t E, int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out,
                   const uint16_t *sw13, int64_t Is, const uint16_t *sw2) {
@@ -45,16 +66,28 @@ int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint1
     for (int64_t i = 0; i < N; i++)
         if (ids[i] < -1 || ids[i] >= E) return 1 + i;
     memset(out, 0, (size_t)(T * H) * sizeof(float));
-    size_t rows = (N > T ? N : T) < CHUNK ? (size_t)(N > T ? N : T) : CHUNK;
+    if (T == 0) return 0;
     int64_t Imax = sw13 && Is > I ? Is : I;
-    size_t need = (size_t)(E + 1) * sizeof(int64_t) + (size_t)N * sizeof(int64_t) +
-                  rows * (size_t)(H + 2 * Imax + H) * sizeof(float) + 256;
+    size_t rows = (size_t)((N > T ? N : T) < CHUNK ? (N > T ? N : T) : CHUNK);
+    size_t work = rows * (size_t)(H + 2 * Imax + H) * sizeof(float);  /* gathered x, h, y of one chunk */
+    int64_t shared_items = sw13 ? (T + SHARED_CHUNK - 1) / SHARED_CHUNK : 0;
+    /* Work items: (expert, first sorted slot) per chunk of an expert's rows, then the shared expert's chunks */
+    int64_t max_items = (N + CHUNK - 1) / CHUNK + E + shared_items;
+    int nt = threads_for_region();
+    size_t pair_bytes = (size_t)(N + (sw13 ? T : 0)) * (size_t)H * sizeof(float);
+    size_t head = (size_t)(E + 1 + N + 2 * max_items) * sizeof(int64_t);
+    /* With several threads and several items each, threads take whole items (dynamic schedule): each writes
+     * its pairs' outputs to their own rows of a pair buffer, summed per token afterwards in a fixed order, so
+     * results do not depend on which thread took what. Otherwise items go in turn and each product splits
+     * its weight rows over the threads (decode: a few rows per expert). */
+    int by_item = nt > 1 && pair_bytes <= PAIR_BUFFER_MAX;
+    size_t need = head + 64 + (by_item ? pair_bytes + (size_t)nt * (work + 64) : work) + 64;
     char *buf = thread_scratch(need);
     if (!buf) return -1;
     int64_t *start = (int64_t *)buf;      /* start[e]: first sorted slot of expert e */
     int64_t *order = start + (E + 1);     /* sorted slot -> pair index */
-    float *xg = (float *)(((uintptr_t)(order + N) + 63) & ~(uintptr_t)63);
-    float *h = xg + rows * H, *y = h + rows * 2 * Imax;
+    int64_t *item_e = order + N, *item_r = item_e + max_items;
+    float *area = (float *)(((uintptr_t)(item_r + max_items) + 63) & ~(uintptr_t)63);
 
     memset(start, 0, (size_t)(E + 1) * sizeof(int64_t));
     for (int64_t i = 0; i < N; i++)
@@ -64,28 +97,64 @@ int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint1
         if (ids[i] >= 0) order[start[ids[i]]++] = i;
     for (int64_t e = E; e > 0; e--) start[e] = start[e - 1];
     start[0] = 0;
+    int64_t items = 0;
+    for (int64_t t0 = 0; t0 < T && sw13; t0 += SHARED_CHUNK) { item_e[items] = -1; item_r[items++] = t0; }
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += CHUNK) { item_e[items] = e; item_r[items++] = r0; }
+    by_item = by_item && items >= 2 * nt;
 
-    for (int64_t e = 0; e < E; e++) {
-        const uint16_t *w13e = w13 + e * 2 * I * H, *w2e = w2 + e * H * I;
-        for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += CHUNK) {
+    if (!by_item) {
+        float *xg = area, *h = xg + rows * H, *y = h + rows * 2 * Imax;
+        for (int64_t it = 0; it < items; it++) {
+            int64_t e = item_e[it], r0 = item_r[it];
+            if (e < 0) {  /* the shared expert: every token, in order, straight from x */
+                int64_t R = T - r0 < SHARED_CHUNK ? T - r0 : SHARED_CHUNK;
+                expert_rows(x + r0 * ldx, ldx, R, H, sw13, sw2, Is, h, y);
+                for (int64_t r = 0; r < R; r++) add_scaled(out + (r0 + r) * H, y + r * H, 1.0f, H);
+                continue;
+            }
             int64_t R = start[e + 1] - r0 < CHUNK ? start[e + 1] - r0 : CHUNK;
             for (int64_t r = 0; r < R; r++) memcpy(xg + r * H, x + (order[r0 + r] / K) * ldx, H * sizeof(float));
-            linear_bf16w(xg, H, w13e, H, h, 2 * I, R, H, 2 * I);
-            silu_and_mul(h, R, I);
-            linear_bf16w(h, 2 * I, w2e, I, y, H, R, I, H);
+            expert_rows(xg, H, R, H, w13 + e * 2 * I * H, w2 + e * H * I, I, h, y);
             for (int64_t r = 0; r < R; r++) {
                 int64_t pair = order[r0 + r];
                 add_scaled(out + (pair / K) * H, y + r * H, wts[pair], H);
             }
         }
+        return 0;
     }
-    if (sw13) {  /* the shared expert: every token, in order, straight from x */
-        for (int64_t t0 = 0; t0 < T; t0 += CHUNK) {
-            int64_t R = T - t0 < CHUNK ? T - t0 : CHUNK;
-            linear_bf16w(x + t0 * ldx, ldx, sw13, H, h, 2 * Is, R, H, 2 * Is);
-            silu_and_mul(h, R, Is);
-            linear_bf16w(h, 2 * Is, sw2, Is, y, H, R, Is, H);
-            for (int64_t r = 0; r < R; r++) add_scaled(out + (t0 + r) * H, y + r * H, 1.0f, H);
+
+    float *pairs = area;  /* [N + T, H]: output of pair i in row i, the shared expert's of token t in row N + t */
+    char *works = (char *)(((uintptr_t)(pairs + (size_t)(N + (sw13 ? T : 0)) * H) + 63) & ~(uintptr_t)63);
+    (void)works;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+        float *xg = (float *)(works + (size_t)thread_index() * (work + 64)), *h = xg + rows * H;
+        float *y = h + rows * 2 * Imax;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t it = 0; it < items; it++) {
+            int64_t e = item_e[it], r0 = item_r[it];
+            if (e < 0) {
+                int64_t R = T - r0 < SHARED_CHUNK ? T - r0 : SHARED_CHUNK;
+                expert_rows(x + r0 * ldx, ldx, R, H, sw13, sw2, Is, h, pairs + (N + r0) * H);
+                continue;
+            }
+            int64_t R = start[e + 1] - r0 < CHUNK ? start[e + 1] - r0 : CHUNK;
+            for (int64_t r = 0; r < R; r++) memcpy(xg + r * H, x + (order[r0 + r] / K) * ldx, H * sizeof(float));
+            expert_rows(xg, H, R, H, w13 + e * 2 * I * H, w2 + e * H * I, I, h, y);
+            for (int64_t r = 0; r < R; r++) memcpy(pairs + order[r0 + r] * H, y + r * H, H * sizeof(float));
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < T; t++) {  /* per token: its slots in order, then the shared expert */
+            for (int64_t k = 0; k < K; k++)
+                if (ids[t * K + k] >= 0) add_scaled(out + t * H, pairs + (t * K + k) * H, wts[t * K + k], H);
+            if (sw13) add_scaled(out + t * H, pairs + (N + t) * H, 1.0f, H);
         }
     }
     return 0;
