@@ -5,9 +5,11 @@ There torch's bf16 matmuls are scalar loops, so the model computes in float32 wh
 weights stay bf16: half the memory, and at decode sizes, where a linear reads its whole weight for a few
 rows, half the bytes. Up to MAX_ROWS rows go through csrc/linear_bf16w.c, an AVX2 kernel that widens the
 weight in registers: 1.8-2.7x faster than the same weight held in float32 through MKL at 1-8 rows and 1.4x
-at 16, one thread (scripts/bench_linear.py --bf16-weights; docs/benchmarks.md). Larger inputs widen the
-weight to a float32 copy and call F.linear (MKL), which catches up with the kernel at 48-64 rows. The
-reference is F.linear(x, w.float(), b).
+at 16, one thread (scripts/bench_linear.py --bf16-weights; docs/benchmarks.md). On one thread MKL on a
+widened copy catches up with it at 48-64 rows; on two, the kernel (splitting weight rows) stays ahead to a
+few hundred rows: a 256-token prompt chunk of the benchmark model ran 7% faster with the kernel than with
+MKL beyond 40 rows (docs/benchmarks.md, run 6). Beyond MAX_ROWS the weight is widened to a float32 copy for
+F.linear (MKL). The reference is F.linear(x, w.float(), b).
 
 kernels/cpu_build.py compiles the C once per machine and loads it through ctypes. Without a compiler, or on
 a CPU without AVX2 and FMA, every call takes the F.linear path: the same results, slower.
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_build
 
-MAX_ROWS = 40  # beyond, MKL on a widened copy is as fast (kernel 1.1-1.5x faster at 24-32 rows, even at 48-64)
+MAX_ROWS = 512  # beyond, MKL on a widened copy is faster (65 vs 54 GFLOP/s at 2048 rows, two threads)
 
 
 def _lib():

@@ -20,7 +20,7 @@ def test_kernel_is_built_where_it_can_be():
     assert cpu_bf16w.available() == CAN_BUILD
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 40, 41])  # 41: past MAX_ROWS
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 41, 300, 513])  # 513: past MAX_ROWS
 @pytest.mark.parametrize("K,O", [(8, 3), (13, 5), (259, 33), (512, 64)])
 def test_linear_equals_reference(rows, K, O):
     torch.manual_seed(rows * 1000 + K)
