@@ -153,7 +153,7 @@ class DecoderLayer(nn.Module):
         self.decode_kernel: cpu_decode_layer.DecodeLayerKernel | None = None  # set by hold_decode_kernel
 
     def forward(self, x_TH, cos_TR2, sin_TR2, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if (self.decode_kernel is not None and meta.all_decode
+        if (self.decode_kernel is not None and meta.all_decode and getattr(self.mlp, "identity_placement", True)
                 and cpu_decode_layer.fits(x_TH, cos_TR2, sin_TR2, kv_cache, meta.slot_mapping_T)):
             return self._decode_in_one_call(x_TH, cos_TR2, sin_TR2, kv_cache, meta)
         x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), cos_TR2, sin_TR2, kv_cache, meta)
@@ -162,14 +162,16 @@ class DecoderLayer(nn.Module):
     def hold_decode_kernel(self) -> None:
         """Run all-decode steps through one C call for the whole layer (kernels/cpu_decode_layer.py): where the
         weights are held for the CPU kernels (after MoEBlock.hold_cpu_kernels_weights), without tensor or
-        expert parallelism, with DeepSeek-V3's routing. Elsewhere the layer stays as it is."""
+        expert parallelism, with DeepSeek-V3's routing. Elsewhere the layer stays as it is, and so do steps
+        with prompt chunks, or while experts sit in other slots than their own (the kernel routes to slot
+        = expert id)."""
         attn, mlp = self.self_attn, self.mlp
         if self.parallel or attn.w_uk_NCD is None or cpu_build.lib() is None:
             return
         router = w13 = w2 = None
         if isinstance(mlp, MoEBlock):
             rc = mlp.router_config
-            if not (mlp.use_cpu_kernels and mlp.identity_placement and rc.topk_method == "noaux_tc"
+            if not (mlp.use_cpu_kernels and rc.topk_method == "noaux_tc"
                     and rc.scoring_func == "sigmoid" and (mlp.shared_experts is None or mlp.shared_w13 is not None)):
                 return
             router = cpu_decode_layer.Router(mlp.gate.weight, mlp.gate.e_score_correction_bias, rc.num_groups,
