@@ -14,8 +14,6 @@
  * value head dims, C kv_lora_rank, E routed experts in G groups, K experts per token, Ie / Is routed /
  * shared (or dense) intermediate sizes.
  */
-#include <string.h>
-
 #include "bf16w.h"
 
 typedef struct {
@@ -77,7 +75,7 @@ int64_t decode_layer_f32(const DecodeLayer *w, float *x, int64_t T, const float 
     if (!h) return -1;
     float *qa = h + T * H, *q = qa + T * w->Qr, *kv = q + T * N * Dq, *qlat = kv + T * D, *olat = qlat + T * N * D;
     float *attn = olat + T * N * C, *y = attn + T * N * Dv, *wts = y + T * H;
-    if (!ids) ids = (int64_t *)(wts + T * K + 8);
+    if (!ids) ids = (int64_t *)(((uintptr_t)(wts + T * K) + 63) & ~(uintptr_t)63);
 
     /* attention */
     rms_norm_f32(x, H, w->in_norm, h, H, T, H, w->eps_in);

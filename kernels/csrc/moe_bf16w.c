@@ -10,7 +10,7 @@
  * otherwise threads take whole items and out is summed per token afterwards (see moe_bf16w).
  *
  * With sw13 (may be NULL) a shared expert of intermediate size Is, sw13 [2 Is, H] and sw2 [H, Is], is added
- * for every token after the routed ones (DeepSeek's shared experts, weight 1); with E = 0 it is a dense MLP.
+ * for every token (DeepSeek's shared experts, weight 1); with E = 0 it is a dense MLP.
  *
  * Shapes: x [T, H] (row stride ldx), w13 [E, 2I, H] and w2 [E, H, I] bf16 contiguous, ids [T, K] int64
  * and wts [T, K] float32 contiguous, out [T, H] float32 contiguous (overwritten).
@@ -71,7 +71,8 @@ int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint1
     size_t rows = (size_t)((N > T ? N : T) < CHUNK ? (N > T ? N : T) : CHUNK);
     size_t work = rows * (size_t)(H + 2 * Imax + H) * sizeof(float);  /* gathered x, h, y of one chunk */
     int64_t shared_items = sw13 ? (T + SHARED_CHUNK - 1) / SHARED_CHUNK : 0;
-    /* Work items: (expert, first sorted slot) per chunk of an expert's rows, then the shared expert's chunks */
+    /* Work items: the shared expert's chunks of tokens (expert -1, first token), then (expert, first sorted
+     * slot) per chunk of an expert's rows */
     int64_t max_items = (N + CHUNK - 1) / CHUNK + E + shared_items;
     int nt = threads_for_region();
     size_t pair_bytes = (size_t)(N + (sw13 ? T : 0)) * (size_t)H * sizeof(float);
@@ -126,7 +127,6 @@ int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint1
 
     float *pairs = area;  /* [N + T, H]: output of pair i in row i, the shared expert's of token t in row N + t */
     char *works = (char *)(((uintptr_t)(pairs + (size_t)(N + (sw13 ? T : 0)) * H) + 63) & ~(uintptr_t)63);
-    (void)works;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
 #endif
