@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 1 12 64
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 4 --kernels   # time per C kernel
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 4 --kernels --layer-by-layer
 
 Builds the benchmark checkpoint if missing (.cache/bench), adds N requests of random 64-192 token prompts,
 prefills them all, then times --steps decode steps and prints the median and minimum per N. --kernels
@@ -35,6 +36,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--kernels", action="store_true", help="also time each CPU kernel (ms per decode step)")
+    ap.add_argument("--layer-by-layer", action="store_true",
+                    help="decode steps call each kernel from Python, not one C call per layer (kernels/cpu_decode_layer.py): "
+                         "with --kernels, the time of each kernel inside a layer")
     args = ap.parse_args()
     kernel_s = time_kernels() if args.kernels else None
     if args.model == ".cache/bench":
@@ -42,6 +46,9 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.running), max_num_batched_tokens=2048,
               kv_cache_tokens=65536)
     engine = llm.engine
+    if args.layer_by_layer:
+        for layer in engine.runner.model.model.layers:
+            layer.decode_kernel = None
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     print(f"{args.model} {args.dtype}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
     print(f"{'running':>8} {'prefill all ms':>15} {'step median ms':>15} {'step min ms':>12}")
