@@ -98,10 +98,25 @@ class DecodeLayerKernel:
         H = w.kv_a.shape[1]
         s = _DecodeLayer(H=H, Qr=0 if w.q_a is None else w.q_a.shape[0], N=N, Dn=Dn, R=R, Dv=Dv, C=C,
                          interleaved=int(w.rope_interleaved), softmax_scale=w.softmax_scale)
+        Qr = 0 if w.q_a is None else w.q_a.shape[0]
+        shapes = {"in_norm": (H,), "post_norm": (H,), "q_a": (Qr, H), "q_a_norm": (Qr,), "q_b": (N * (Dn + R), Qr or H),
+                  "kv_a_norm": (C,), "w_uv": (N, Dv, C), "o": (H, N * Dv)}
+        if w.router is not None:
+            E, G, K = w.router.gate_EH.shape[0], w.router.num_groups, w.router.top_k
+            if R % 2 or G < 1 or E % G or not 0 < K <= w.router.topk_group * (E // G):
+                raise ValueError(f"decode layer kernel: routing {K} of {E} experts in {G} groups "
+                                 f"(top {w.router.topk_group} groups) or rope dims {R} not supported")
+            Ie = w.w2.shape[2]
+            shapes.update({"router": (E, H), "router bias": (E,), "w13": (E, 2 * Ie, H), "w2": (E, H, Ie)})
+        if w.mlp_w2 is not None:
+            Is = w.mlp_w2.shape[1]
+            shapes.update({"mlp_w13": (2 * Is, H), "mlp_w2": (H, Is)})
         held = []  # the tensors whose addresses the struct holds
 
         def ptr(name, t, dtype):
             held.append(_check(name, t, dtype))
+            if name in shapes and tuple(t.shape) != shapes[name]:
+                raise ValueError(f"decode layer kernel: {name} must be {shapes[name]}, got {tuple(t.shape)}")
             return t.data_ptr()
 
         s.in_norm, s.eps_in = ptr("in_norm", w.in_norm[0], f32), w.in_norm[1]

@@ -258,3 +258,30 @@ def test_decode_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatc
             assert abs(step_a[t] - step_b[t]) < 1e-4
     if preset == "v3":
         assert fused.expert_load("total") == plain.expert_load("total")
+
+
+@needs_kernels
+def test_decode_layer_kernel_refuses_weights_it_cannot_take():
+    from kernels.cpu_decode_layer import DecodeLayerKernel, LayerWeights, Router
+
+    H, Qr, N, Dn, R, Dv, C, E, I = 16, 12, 2, 8, 4, 8, 16, 4, 8
+    bf = lambda *shape: torch.randn(*shape).bfloat16()  # noqa: E731
+    ones = lambda n: (torch.ones(n), 1e-6)  # noqa: E731
+
+    def weights(**change):
+        fields = dict(in_norm=ones(H), q_a=bf(Qr, H), q_a_norm=ones(Qr), q_b=bf(N * (Dn + R), Qr), kv_a=bf(C + R, H),
+                      kv_a_norm=ones(C), w_uk_NCD=bf(N, C, Dn), w_uv_NVC=bf(N, Dv, C), o=bf(H, N * Dv),
+                      softmax_scale=0.2, rope_interleaved=True, post_norm=ones(H),
+                      router=Router(torch.randn(E, H), None, 2, 1, 2, True, 1.0), w13=bf(E, 2 * I, H),
+                      w2=bf(E, H, I), mlp_w13=bf(2 * I, H), mlp_w2=bf(H, I))
+        return LayerWeights(**{**fields, **change})
+
+    assert DecodeLayerKernel(weights()).top_k == 2
+    for change, match in [({"o": bf(H, N * Dv + 1)}, "o must be"),
+                          ({"w2": bf(E, I, H).transpose(1, 2)}, "w2 must be a contiguous"),
+                          ({"q_b": torch.randn(N * (Dn + R), Qr)}, "q_b must be a contiguous torch.bfloat16"),
+                          ({"router": Router(torch.randn(E, H), None, 3, 1, 2, True, 1.0)}, "routing 2 of 4 experts"),
+                          ({"router": Router(torch.randn(E, H), None, 2, 1, 3, True, 1.0)}, "routing 3 of 4 experts"),
+                          ({"router": None, "mlp_w13": None, "mlp_w2": None}, "needs routed experts or a dense MLP")]:
+        with pytest.raises(ValueError, match=match):
+            DecodeLayerKernel(weights(**change))
