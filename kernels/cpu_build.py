@@ -1,8 +1,9 @@
 """Builds and loads the CPU kernels of kernels/csrc (AVX2 + FMA C, no Python or torch headers) as one
 shared library, compiled once per machine with the system C compiler into a cache folder (about a second)
-and called through ctypes. The modules beside each kernel (cpu_bf16w.py, cpu_mla.py, cpu_moe.py, cpu_ops.py, cpu_decode_layer.py) hold
-their torch references and fall back to them where `lib()` is None: no compiler, or a CPU without AVX2
-and FMA.
+and called through ctypes. The modules beside each kernel (cpu_bf16w.py, cpu_mla.py, cpu_moe.py,
+cpu_ops.py) hold their torch references and fall back to them where `lib()` is None: no compiler, or a CPU
+without AVX2 and FMA; cpu_decode_layer.py (a whole decode layer) is then not used, and the model calls its
+layers' modules.
 """
 
 from __future__ import annotations
