@@ -15,14 +15,17 @@ def main() -> None:
     ckpt, out, layout = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     prompts = json.loads(sys.argv[4])
     max_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 12
-    llm = LLM(ckpt, dtype="float32", **layout)
+    llm = LLM(ckpt, dtype=sys.argv[6] if len(sys.argv) > 6 else "float32", **layout)
     Path(f"{out}.pid{llm.engine.parallel.rank}").write_text(str(os.getpid()))  # loaded; generating next
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     tokens = [o.outputs[0].token_ids for o in outs]
     assert len(tokens) == len(prompts) and all(len(t) == max_tokens for t in tokens)
     rank = llm.engine.parallel.rank
     stats = llm.stats()
-    Path(f"{out}.rank{rank}").write_text(json.dumps({"tokens": tokens, "stats": stats}))
+    layers = llm.engine.runner.model.model.layers
+    decode_kernels = sum(getattr(layer, "decode_kernel", None) is not None for layer in layers)  # CPU bf16 mode
+    Path(f"{out}.rank{rank}").write_text(json.dumps({"tokens": tokens, "stats": stats,
+                                                     "decode_layer_kernels": decode_kernels}))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kernels import cpu_build
+from moe.tiny import make_checkpoint
 from parallel.launch import free_port
 from server import LLM, SamplingParams
 
@@ -64,9 +66,9 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
     return proc.log_file.read().decode(errors="replace")
 
 
-def run_layout(ckpt: str, tmp_path: Path, layout: dict, nproc: int, prompts=PROMPTS) -> list[dict]:
+def run_layout(ckpt: str, tmp_path: Path, layout: dict, nproc: int, prompts=PROMPTS, dtype: str = "float32") -> list[dict]:
     out = tmp_path / "out.json"
-    torchrun(nproc, [ckpt, str(out), json.dumps(layout), json.dumps(prompts), str(MAX_TOKENS)])
+    torchrun(nproc, [ckpt, str(out), json.dumps(layout), json.dumps(prompts), str(MAX_TOKENS), dtype])
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(nproc)]
 
 
@@ -94,6 +96,23 @@ def test_layout_matches_single_process(checkpoint, tmp_path, preset, name):
         stats = run_layout.__wrapped__ if False else result["stats"]
         assert stats["dispatch_rows_sent_remote"] > 0
         assert stats["dispatch_bytes_sent"] <= stats["dispatch_naive_bytes_sent"]
+
+
+@pytest.mark.skipif(cpu_build.lib() is None, reason="no C compiler or no AVX2 + FMA here")
+def test_bf16_pipeline_stages_run_their_decode_layers_in_one_call(tmp_path, monkeypatch):
+    """bf16 weights computing in float32 through the CPU kernels (MOE_CPU_BF16_COMPUTE=float32 takes that path
+    on any x86 CPU): each of two pipeline stages runs its own layers' decode steps one C call per layer
+    (kernels/cpu_decode_layer.py), and the greedy tokens equal the single-process run's."""
+    monkeypatch.setenv("MOE_CPU_BF16_COMPUTE", "float32")
+    ckpt = str(make_checkpoint(tmp_path / "bf16", "v3", dtype="bfloat16"))
+    llm = LLM(ckpt, dtype="bfloat16")
+    layers = llm.engine.runner.model.model.layers
+    assert all(layer.decode_kernel is not None for layer in layers)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    expected = [o.outputs[0].token_ids for o in outs]
+    for rank, result in enumerate(run_layout(ckpt, tmp_path, {"pipeline_parallel_size": 2}, 2, dtype="bfloat16")):
+        assert result["tokens"] == expected, f"rank {rank}"
+        assert result["decode_layer_kernels"] == len(layers) // 2, f"rank {rank}"
 
 
 def test_lone_request_on_data_parallel_ranks(checkpoint, tmp_path):
