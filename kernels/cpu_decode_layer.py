@@ -95,10 +95,9 @@ class DecodeLayerKernel:
         bf16, f32 = torch.bfloat16, torch.float32
         N, C, Dn = w.w_uk_NCD.shape
         Dv, R = w.w_uv_NVC.shape[1], w.kv_a.shape[0] - C
-        H = w.kv_a.shape[1]
-        s = _DecodeLayer(H=H, Qr=0 if w.q_a is None else w.q_a.shape[0], N=N, Dn=Dn, R=R, Dv=Dv, C=C,
+        H, Qr = w.kv_a.shape[1], 0 if w.q_a is None else w.q_a.shape[0]
+        s = _DecodeLayer(H=H, Qr=Qr, N=N, Dn=Dn, R=R, Dv=Dv, C=C,
                          interleaved=int(w.rope_interleaved), softmax_scale=w.softmax_scale)
-        Qr = 0 if w.q_a is None else w.q_a.shape[0]
         shapes = {"in_norm": (H,), "post_norm": (H,), "q_a": (Qr, H), "q_a_norm": (Qr,), "q_b": (N * (Dn + R), Qr or H),
                   "kv_a_norm": (C,), "w_uv": (N, Dv, C), "o": (H, N * Dv)}
         if w.router is not None:

@@ -100,7 +100,9 @@ class MLP(nn.Module):
 
     def hold_gate_up_together(self) -> None:
         """Hold the gate and up weights as one tensor (gate rows, then up rows; the two linears' weights become
-        views of it) and the down weight contiguous, for the CPU kernels that run an MLP in one call."""
+        views of it) and the down weight contiguous, for the CPU kernels that run an MLP in one call. Once."""
+        if self.w13 is not None:
+            return
         self.w13 = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data]).contiguous()
         rows = self.gate_proj.weight.shape[0]
         self.gate_proj.weight.data, self.up_proj.weight.data = self.w13[:rows], self.w13[rows:]

@@ -177,10 +177,9 @@ class DecoderLayer(nn.Module):
             router = cpu_decode_layer.Router(mlp.gate.weight, mlp.gate.e_score_correction_bias, rc.num_groups,
                                              rc.topk_group, rc.top_k, rc.norm_topk_prob, rc.routed_scaling_factor)
             w13, w2, dense = mlp.experts.w13, mlp.experts.w2, mlp.shared_experts
+        elif mlp.w13 is None or mlp.down_proj.weight.dtype != torch.bfloat16:
+            return
         else:
-            if mlp.gate_proj.weight.dtype != torch.bfloat16:
-                return
-            mlp.hold_gate_up_together()
             dense = mlp
         norm = lambda m: (m.weight, m.eps)  # noqa: E731
         q_lora = attn.q_lora_rank is not None
@@ -286,6 +285,8 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():  # the small float32 ops, one C call each (kernels/cpu_ops.py)
             if isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.use_cpu_kernel = True
+            if isinstance(module, MLP) and module.gate_proj.weight.dtype == torch.bfloat16:
+                module.hold_gate_up_together()  # the dense and shared MLPs' products in one C call
             if isinstance(module, MoEBlock):
                 module.hold_cpu_kernels_weights()
         for layer in self.model.layers[self.model.start:self.model.end]:

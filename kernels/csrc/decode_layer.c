@@ -34,25 +34,6 @@ typedef struct {
 
 int64_t decode_layer_struct_size(void) { return (int64_t)sizeof(DecodeLayer); }
 
-/* Declared in the other files of this folder */
-void rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t T, int64_t D, float eps);
-void rope_f32(const float *x, int64_t ldx_t, int64_t ldx_n, const float *cos_, const float *sin_, float *y,
-              int64_t ldy_t, int64_t ldy_n, int64_t T, int64_t N, int64_t R, int64_t interleaved);
-void route_noaux_tc_f32(const float *x, int64_t ldx, const float *gate, int64_t H, const float *bias, int64_t T,
-                        int64_t E, int64_t G, int64_t topk_group, int64_t K, int64_t norm, float scale, int64_t *ids,
-                        float *wts);
-void mla_cache_write_bf16(const float *kv, int64_t ldkv, const float *norm_w, float eps, const float *cos_,
-                          const float *sin_, int64_t interleaved, uint16_t *cache, const int64_t *slots, int64_t T,
-                          int64_t C, int64_t R);
-void linear_bf16w_batched(const float *x, int64_t ldx, int64_t bsx, const uint16_t *w, int64_t ldw, int64_t bsw,
-                          float *y, int64_t ldy, int64_t bsy, int64_t M, int64_t K, int64_t O, int64_t batch);
-int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
-                        const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
-                        int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale, const int64_t *qrows);
-int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint16_t *w13, const uint16_t *w2,
-                  int64_t E, int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out,
-                  const uint16_t *sw13, int64_t Is, const uint16_t *sw2);
-
 static void add_into(float *x, const float *y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));

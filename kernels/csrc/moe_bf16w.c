@@ -59,6 +59,30 @@ static inline void expert_rows(const float *x, int64_t ldx, int64_t R, int64_t H
     linear_bf16w(h, 2 * I, w2, I, y, H, R, I, H);
 }
 
+/* The sorted pairs and the work list of one call, shared by the threads */
+typedef struct {
+    const float *x;
+    int64_t ldx, T, H, K, I, Is;
+    const uint16_t *w13, *w2, *sw13, *sw2;
+    const int64_t *start, *order, *item_e, *item_r;  /* see moe_bf16w */
+} Work;
+
+/* Runs work item `it` into y [R, H] and returns R: the shared expert's rows r0.. of x for e = -1, else expert
+ * e's sorted pairs r0.. (row r is pair order[r0 + r]), gathered into xg first. h: [R, 2 max(I, Is)] scratch. */
+static int64_t run_item(const Work *w, int64_t it, float *xg, float *h, float *y) {
+    int64_t e = w->item_e[it], r0 = w->item_r[it], H = w->H;
+    if (e < 0) {
+        int64_t R = w->T - r0 < SHARED_CHUNK ? w->T - r0 : SHARED_CHUNK;
+        expert_rows(w->x + r0 * w->ldx, w->ldx, R, H, w->sw13, w->sw2, w->Is, h, y);
+        return R;
+    }
+    int64_t R = w->start[e + 1] - r0 < CHUNK ? w->start[e + 1] - r0 : CHUNK;
+    for (int64_t r = 0; r < R; r++)
+        memcpy(xg + r * H, w->x + (w->order[r0 + r] / w->K) * w->ldx, H * sizeof(float));
+    expert_rows(xg, H, R, H, w->w13 + e * 2 * w->I * H, w->w2 + e * H * w->I, w->I, h, y);
+    return R;
+}
+
 int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint16_t *w13, const uint16_t *w2,
                   int64_t E, int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out,
                   const uint16_t *sw13, int64_t Is, const uint16_t *sw2) {
@@ -104,22 +128,18 @@ int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint1
         for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += CHUNK) { item_e[items] = e; item_r[items++] = r0; }
     by_item = by_item && items >= 2 * nt;
 
+    const Work job = {x, ldx, T, H, K, I, Is, w13, w2, sw13, sw2, start, order, item_e, item_r};
     if (!by_item) {
         float *xg = area, *h = xg + rows * H, *y = h + rows * 2 * Imax;
         for (int64_t it = 0; it < items; it++) {
-            int64_t e = item_e[it], r0 = item_r[it];
-            if (e < 0) {  /* the shared expert: every token, in order, straight from x */
-                int64_t R = T - r0 < SHARED_CHUNK ? T - r0 : SHARED_CHUNK;
-                expert_rows(x + r0 * ldx, ldx, R, H, sw13, sw2, Is, h, y);
-                for (int64_t r = 0; r < R; r++) add_scaled(out + (r0 + r) * H, y + r * H, 1.0f, H);
-                continue;
-            }
-            int64_t R = start[e + 1] - r0 < CHUNK ? start[e + 1] - r0 : CHUNK;
-            for (int64_t r = 0; r < R; r++) memcpy(xg + r * H, x + (order[r0 + r] / K) * ldx, H * sizeof(float));
-            expert_rows(xg, H, R, H, w13 + e * 2 * I * H, w2 + e * H * I, I, h, y);
+            int64_t R = run_item(&job, it, xg, h, y), r0 = item_r[it];
             for (int64_t r = 0; r < R; r++) {
-                int64_t pair = order[r0 + r];
-                add_scaled(out + (pair / K) * H, y + r * H, wts[pair], H);
+                if (item_e[it] < 0) {
+                    add_scaled(out + (r0 + r) * H, y + r * H, 1.0f, H);
+                } else {
+                    int64_t pair = order[r0 + r];
+                    add_scaled(out + (pair / K) * H, y + r * H, wts[pair], H);
+                }
             }
         }
         return 0;
@@ -137,16 +157,9 @@ int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint1
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t it = 0; it < items; it++) {
-            int64_t e = item_e[it], r0 = item_r[it];
-            if (e < 0) {
-                int64_t R = T - r0 < SHARED_CHUNK ? T - r0 : SHARED_CHUNK;
-                expert_rows(x + r0 * ldx, ldx, R, H, sw13, sw2, Is, h, pairs + (N + r0) * H);
-                continue;
-            }
-            int64_t R = start[e + 1] - r0 < CHUNK ? start[e + 1] - r0 : CHUNK;
-            for (int64_t r = 0; r < R; r++) memcpy(xg + r * H, x + (order[r0 + r] / K) * ldx, H * sizeof(float));
-            expert_rows(xg, H, R, H, w13 + e * 2 * I * H, w2 + e * H * I, I, h, y);
-            for (int64_t r = 0; r < R; r++) memcpy(pairs + order[r0 + r] * H, y + r * H, H * sizeof(float));
+            int64_t R = run_item(&job, it, xg, h, y), r0 = item_r[it];
+            for (int64_t r = 0; r < R; r++)
+                memcpy(pairs + (item_e[it] < 0 ? N + r0 + r : order[r0 + r]) * H, y + r * H, H * sizeof(float));
         }
 #ifdef _OPENMP
 #pragma omp for schedule(static)
