@@ -27,12 +27,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.engine_client import EngineClient, Sink
-from server.metrics import Metrics
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from server.sampling_params import SamplingParams
-from server.serving import OpenAIServing
-from server.startup import since_process_start, summary
+from moe_serve.server.engine_client import EngineClient, Sink
+from moe_serve.server.metrics import Metrics
+from moe_serve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, error_body)
+from moe_serve.server.sampling_params import SamplingParams
+from moe_serve.server.serving import OpenAIServing
+from moe_serve.server.startup import since_process_start, summary
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,14 @@ def build_app(args: ServerArgs) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         client()
         return await serving().chat(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return serving().tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return serving().detokenize(body)
 
     @app.get("/v1/models")
     async def models():

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from server.sampling_params import SamplingParams
+from moe_serve.server.sampling_params import SamplingParams
 
 Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
@@ -148,3 +148,27 @@ class ChatCompletionRequest(_SamplingRequest):
             if exc.param == "max_tokens":
                 exc.param = param
             raise
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt or chat messages (through the chat template), not both."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt; the chat template adds its own
+    return_token_strs: bool = False
+
+    def checked(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt" if self.prompt else "messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[StrictInt]

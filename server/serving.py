@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.detokenizer import IncrementalDetokenizer
-from server.engine_client import EngineClient, Sink
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from server.sampling_params import SamplingParams
+from moe_serve.server.detokenizer import IncrementalDetokenizer
+from moe_serve.server.engine_client import EngineClient, Sink
+from moe_serve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                       DetokenizeRequest, TokenizeRequest, error_body)
+from moe_serve.server.sampling_params import SamplingParams
 
 
 @dataclass
@@ -287,18 +288,39 @@ class OpenAIServing:
         return JSONResponse({**head, "choices": out, "usage": self.usage(prompts, choices)})
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------
+    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                                      add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - a template that rejects the messages
+            raise APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
+
     def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
         if not body.messages:
             raise APIError("messages is empty: give at least one message", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - a template that rejects the messages
-            raise APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
+        text = self._chat_text(body.messages, body.add_generation_prompt)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         self.check_prompt(ids, "messages")
         return text, ids
+
+    # ---- /tokenize, /detokenize (vLLM's) ---------------------------------------------------------------
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_model(body.model)
+        body.checked()
+        if body.messages is not None:
+            text = self._chat_text(body.messages, body.add_generation_prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def _chat_logprobs(self, c: Choice, start: int, top_n: int) -> dict:
         content = []

@@ -12,7 +12,7 @@ import pytest
 from api_server import httpx, running_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from server import LLM, SamplingParams
+from moe_serve.server import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -41,7 +41,7 @@ def offline(llm, prompts, **kw):
 
 
 def chat_ids(llm, messages):
-    return llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
 def test_models_health_version(server, client):
@@ -60,6 +60,24 @@ def test_api_key_required(server):
     assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # health and metrics stay open
     assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
+
+
+def test_tokenize_detokenize_as_vllm(server, llm):
+    """vLLM's /tokenize and /detokenize (its `vllm bench serve` asks for them): the engine's own token ids."""
+    tok = llm.tokenizer
+    status, body = server.post("/tokenize", {"model": MODEL, "prompt": PROMPTS[0], "return_token_strs": True})
+    assert status == 200 and body["tokens"] == tok.encode(PROMPTS[0]) and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"]) and body["max_model_len"] > 0
+    messages = [{"role": "user", "content": "Hi there"}]
+    status, body = server.post("/tokenize", {"messages": messages})
+    assert status == 200 and body["tokens"] == chat_ids(llm, messages) and body["token_strs"] is None
+    status, body = server.post("/detokenize", {"tokens": tok.encode(PROMPTS[1], add_special_tokens=False)})
+    assert status == 200 and body == {"prompt": PROMPTS[1]}
+    for path, bad, param in (("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+                             ("/tokenize", {"prompt": "x", "messages": messages}, "messages"),
+                             ("/tokenize", {"prompt": "x", "model": "nope"}, "model")):
+        status, body = server.post(path, bad)
+        assert status == 400 and body["error"]["param"] == param, (path, bad, body)
 
 
 def test_completions_greedy_equal_offline(client, llm):
@@ -235,7 +253,7 @@ def test_metrics_move_as_requests_complete(server, client):
 def test_startup_phases_exported_once_ready(server):
     """/ready has answered (the fixture waits for it): every start-up phase is a metric, none longer than the
     whole span from the front end's process start, and the loading phases took some time."""
-    from server.startup import __doc__ as phases_doc
+    from moe_serve.server.startup import __doc__ as phases_doc
 
     got = {s.labels["phase"]: s.value for s in _metrics(server)["moe_startup_seconds"].samples}
     documented = {line.split()[0] for line in phases_doc.split("Phases")[1].splitlines()[1:] if line.startswith("  ")}
@@ -247,21 +265,20 @@ def test_startup_phases_exported_once_ready(server):
 
 def test_expert_load_counts_equal_direct_count(server, llm, monkeypatch):
     """The record endpoints count exactly the top-k ids the model routed (counted here by wrapping `route`)."""
-    import moe.model
-
+    from moe_serve.moe import model as moe_model
     prompt = "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 and the router"  # not used elsewhere: no prefix-cache hits
     routed: list = []
-    real_route = moe.model.route
+    real_route = moe_model.route
 
     def counting_route(*args, **kw):
         weights, ids = real_route(*args, **kw)
         routed.append(ids.flatten().bincount(minlength=llm.engine.model_config.n_routed_experts))
         return weights, ids
 
-    monkeypatch.setattr(moe.model, "route", counting_route)
+    monkeypatch.setattr(moe_model, "route", counting_route)
     llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     moe_layers = [i for i, layer in enumerate(llm.engine.runner.model.model.layers)
-                  if isinstance(layer.mlp, moe.model.MoEBlock)]
+                  if isinstance(layer.mlp, moe_model.MoEBlock)]
     direct = [sum(routed[j::len(moe_layers)]).tolist() for j in range(len(moe_layers))]
 
     assert server.post("/start_expert_distribution_record")[0] == 200
