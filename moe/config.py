@@ -138,6 +138,11 @@ class ModelConfig:
                 values[key] = _TYPE_DEFAULTS[model_type][key]
         if model_type == "deepseek_v2":
             values["rope_interleave"] = True  # DeepSeek-V2 always rotates interleaved (complex) pairs
+        rope = raw.get("rope_parameters")
+        if rope and "rope_theta" not in raw:  # as transformers 5 saves it: theta and scaling in one dict
+            values["rope_theta"] = rope.get("rope_theta", values.get("rope_theta", 10000.0))
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            values["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
         if "torch_dtype" not in raw and "dtype" in raw:
             values["torch_dtype"] = raw["dtype"]
         quant = raw.get("quantization_config")

@@ -23,17 +23,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from moe.fp8_block import dequantize_fp8_block, quantize_fp8_block
-from moe.tiny_tokenizer import build_tokenizer
+from moe_serve.moe.fp8_block import dequantize_fp8_block, quantize_fp8_block
+from moe_serve.moe.tiny_tokenizer import build_tokenizer
 
 __all__ = [
     "PRESETS", "make_checkpoint", "ensure_checkpoint", "load_reference_model", "dequantize_fp8_block",
     "quantize_fp8_block",
 ]
 
-log = logging.getLogger("moe.tiny")
+log = logging.getLogger(__name__)
 
 _YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -112,6 +112,48 @@ def _build_config(preset: str, dtype: str, mtp: bool, overrides: dict | None, to
     return AutoConfig.for_model(model_type, architectures=[arch], dtype=dtype, **d)
 
 
+_FUSED_EXPERTS = re.compile(r"((?:.*\.)?mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def shipped_layout(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """State dict keys as DeepSeek's checkpoints name them: one gate/up/down weight per routed expert.
+
+    transformers 5 holds a layer's routed experts as two stacked tensors, `experts.gate_up_proj` [E, 2I, H] (gate
+    rows first) and `experts.down_proj` [E, H, I]; 4.x already uses the per-expert names. Order is kept: each
+    layer's experts appear where its stacked tensors were, expert by expert (gate, up, down)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        m = _FUSED_EXPERTS.match(name)
+        if not m:
+            out[name] = t
+        elif m.group(2) == "gate_up_proj":
+            prefix, inter = m.group(1), t.shape[1] // 2
+            down = sd[f"{prefix}.down_proj"]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:]
+                out[f"{prefix}.{e}.down_proj.weight"] = down[e]
+    return out
+
+
+def _model_layout(stored: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `shipped_layout` for the keys a transformers model wants (stacks per-expert weights)."""
+    out = dict(stored)
+    for name in want:
+        m = _FUSED_EXPERTS.match(name)
+        if not m or name in stored:
+            continue
+        prefix, which, num_experts = m.group(1), m.group(2), want[name].shape[0]
+        parts = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
+        keys = [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in range(num_experts)]
+        if all(k in stored for row in keys for k in row):
+            out[name] = torch.stack([torch.cat([stored[k] for k in row]) for row in keys])
+            for row in keys:
+                for k in row:
+                    out.pop(k)
+    return out
+
+
 def _mtp_tensors(model: PreTrainedModel, sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's next-token-prediction layer, stored as layer `num_hidden_layers`."""
     cfg = model.config
@@ -122,7 +164,7 @@ def _mtp_tensors(model: PreTrainedModel, sd: dict[str, torch.Tensor], seed: int)
         "enorm.weight": torch.empty(hidden),
         "hnorm.weight": torch.empty(hidden),
         "eh_proj.weight": torch.empty(hidden, 2 * hidden),
-        **{k: v.detach().clone().float() for k, v in layer.state_dict().items()},
+        **{k: v.detach().clone().float() for k, v in shipped_layout(layer.state_dict()).items()},
         "shared_head.norm.weight": torch.empty(hidden),
         "shared_head.head.weight": torch.empty(cfg.vocab_size, hidden),
     }
@@ -167,6 +209,23 @@ def _write_shards(tensors: dict[str, torch.Tensor], out: Path, num_shards: int) 
     return files
 
 
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def _shipped_rope(config: PretrainedConfig, explicit: dict) -> dict:
+    """The rotary settings as DeepSeek's config.json files carry them (`rope_theta`, `rope_scaling`), whichever
+    layout this transformers keeps in memory (5.x folds both into `rope_parameters`)."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # transformers 4.x
+        return {"rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling}
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    elif "type" in (explicit.get("rope_scaling") or {}) and "rope_type" in scaling and "type" in scaling:
+        scaling.pop("rope_type")  # keep the key the preset wrote
+    return {"rope_theta": params.get("rope_theta", explicit.get("rope_theta", 10000.0)), "rope_scaling": scaling}
+
+
 def make_checkpoint(out_dir, preset: str = "v3", *, dtype: str | None = None, seed: int = 0,
                     fp8: bool = False, mtp: bool = False, num_shards: int = 2,
                     overrides: dict | None = None) -> Path:
@@ -184,7 +243,7 @@ def make_checkpoint(out_dir, preset: str = "v3", *, dtype: str | None = None, se
     config = _build_config(preset, dtype, mtp, overrides, tok)
     log.info("building %s preset=%s fp8=%s mtp=%s dtype=%s in %s", config.model_type, preset, fp8, mtp, dtype, out)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    sd = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().clone().float() for k, v in shipped_layout(model.state_dict()).items()}
     _init_tensors_(sd, config.hidden_size, seed)
     lm_head = sd["lm_head.weight"]
     for tid in tok.all_special_ids:  # never generate bos/pad/role tokens; eos stays reachable
@@ -199,9 +258,11 @@ def make_checkpoint(out_dir, preset: str = "v3", *, dtype: str | None = None, se
 
     cfg = config.to_diff_dict()
     explicit = {**PRESETS[preset], **(overrides or {})}
-    cfg.update({k: getattr(config, k) for k in explicit if k != "torch_dtype"})  # even where default
-    for derived in ("head_dim", "qk_head_dim"):  # transformers adds these; DeepSeek's configs don't have them
+    cfg.update({k: getattr(config, k) for k in explicit if k not in ROPE_KEYS + ("torch_dtype",)})  # even default
+    cfg.update(_shipped_rope(config, explicit))
+    for derived in ("head_dim", "qk_head_dim", "rope_parameters"):  # transformers adds these; DeepSeek's configs don't have them
         cfg.pop(derived, None)
+    cfg.pop("dtype", None)  # transformers 5 writes `dtype`; DeepSeek's files say `torch_dtype`
     cfg["torch_dtype"] = dtype
     if fp8:
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -250,16 +311,16 @@ def load_reference_model(ckpt_dir, dtype: torch.dtype = torch.float32,
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     want = model.state_dict()
     stored = _read_checkpoint(ckpt)
+    plain = {name: dequantize_fp8_block(t, stored[name + "_scale_inv"], block) if t.dtype == torch.float8_e4m3fn
+             else t for name, t in stored.items() if not name.endswith("_scale_inv")}
     mtp_key = re.compile(r"model\.layers\.(\d+)\.")
     sd, unknown = {}, []
-    for name, t in stored.items():
+    for name, t in _model_layout(plain, want).items():
         if name in want:
-            if t.dtype == torch.float8_e4m3fn:
-                t = dequantize_fp8_block(t, stored[name + "_scale_inv"], block)
             if t.shape != want[name].shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(want[name].shape)}")
             sd[name] = t.to(want[name].dtype)
-        elif not name.endswith("_scale_inv"):
+        else:
             m = mtp_key.match(name)
             if not (m and int(m.group(1)) >= config.num_hidden_layers):
                 unknown.append(name)

@@ -10,12 +10,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from moe.tiny import (
+from moe_serve.moe.tiny import (
     PRESETS,
     dequantize_fp8_block,
     ensure_checkpoint,
     load_reference_model,
     make_checkpoint,
+    shipped_layout,
     quantize_fp8_block,
 )
 
@@ -130,7 +131,7 @@ def test_tokenizer(v3):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert prompt == "<|bos|><|system|>\nBe brief.<|eos|>\n<|user|>\nHi<|eos|>\n<|assistant|>\n"
-    chat_ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    chat_ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
     assert chat_ids[0] == tok.bos_token_id and chat_ids.count(tok.bos_token_id) == 1
 
 
@@ -230,7 +231,7 @@ def test_reference_model_fp8_mtp(v3_fp8_mtp):
     tensors = _tensors(v3_fp8_mtp)
     key = "model.layers.2.mlp.experts.5.down_proj.weight"
     want = dequantize_fp8_block(tensors[key], tensors[key + "_scale_inv"])
-    assert torch.equal(model.state_dict()[key], want)
+    assert torch.equal(shipped_layout(model.state_dict())[key], want)
     tok = AutoTokenizer.from_pretrained(v3_fp8_mtp)
     _, seq, _ = _greedy(model, tok, "Once upon a time", n=8)
     assert len(tok("Once upon a time").input_ids) < seq.shape[1] <= len(tok("Once upon a time").input_ids) + 8
