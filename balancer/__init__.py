@@ -1,7 +1,7 @@
 """Expert placement: which logical expert each physical slot holds, and how to re-plan it as load drifts."""
 
-from balancer.eplb import rebalance_experts
-from balancer.placement import (balancedness, build_log2phy, gpu_loads, logical_to_physical, moved_slots,
+from moe_serve.balancer.eplb import rebalance_experts
+from moe_serve.balancer.placement import (balancedness, build_log2phy, gpu_loads, logical_to_physical, moved_slots,
                                 replica_counts, validate_plan)
 
 __all__ = ["rebalance_experts", "balancedness", "build_log2phy", "gpu_loads", "logical_to_physical", "moved_slots",

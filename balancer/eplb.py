@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from balancer.placement import balancedness, build_log2phy, gpu_loads, replica_counts
+from moe_serve.balancer.placement import balancedness, build_log2phy, gpu_loads, replica_counts
 
 _MIN_GAIN = 1e-9  # a move must lower the hot GPU's load by this fraction
 _PARTNER_GPUS = 16  # with a target, swap partners are slots on this many least-loaded GPUs

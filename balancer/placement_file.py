@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from balancer.eplb import rebalance_experts
-from balancer.placement import balancedness, moved_slots
+from moe_serve.balancer.eplb import rebalance_experts
+from moe_serve.balancer.placement import balancedness, moved_slots
 
 
 def read_load_file(path: str | Path) -> dict:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from balancer.eplb import rebalance_experts
-from balancer.placement import balancedness
-from parallel import comm
+from moe_serve.balancer.eplb import rebalance_experts
+from moe_serve.balancer.placement import balancedness
+from moe_serve.parallel import comm
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from experts import permute
-from parallel.comm import Group, all_to_all_uneven
+from moe_serve.experts import permute
+from moe_serve.parallel.comm import Group, all_to_all_uneven
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.comm import Group, all_to_all_uneven
+from moe_serve.parallel.comm import Group, all_to_all_uneven
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from moe.config import ModelConfig
+from moe_serve.kernels import cpu_ops
+from moe_serve.moe.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from moe_serve.kernels import cpu_build
 
 MAX_ROWS = 512  # beyond, MKL on a widened copy is faster (65 vs 54 GFLOP/s at 2048 rows, two threads)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_build
+from moe_serve.kernels import cpu_build
 
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 

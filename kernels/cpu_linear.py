@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_bf16w
+from moe_serve.kernels import cpu_bf16w
 
 
 def can_pack(weight_OI: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_build
+from moe_serve.kernels import cpu_build
 
 
 def available() -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_build
+from moe_serve.kernels import cpu_build
 
 
 def fits(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_build
+from moe_serve.kernels import cpu_build
 
 
 def _f32_cpu(*tensors: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.reference import FP8_DTYPE, FP8_MAX, FP8_SCALE_EPS
+from moe_serve.kernels.reference import FP8_DTYPE, FP8_MAX, FP8_SCALE_EPS
 
 
 @triton.jit

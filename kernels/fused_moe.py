@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kernels.reference import DEFAULT_BLOCK_SHAPE, FP8_DTYPE
+from moe_serve.kernels.reference import DEFAULT_BLOCK_SHAPE, FP8_DTYPE
 
 BACKENDS = ("triton", "torch")
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -96,9 +96,9 @@ def fused_moe(
         raise TypeError(f"the Triton path needs weights in x's dtype {x_TH.dtype}, got {w13_E2IH.dtype}")
     scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
     if backend == "torch":
-        from kernels.fused_moe_torch import fused_moe_torch
+        from moe_serve.kernels.fused_moe_torch import fused_moe_torch
 
         return fused_moe_torch(x_TH, w13_E2IH, w2_EHI, topk_weights_TK, topk_ids_TK, **scales)
-    from kernels.fused_moe_triton import fused_moe_triton  # imports triton only when asked for
+    from moe_serve.kernels.fused_moe_triton import fused_moe_triton  # imports triton only when asked for
 
     return fused_moe_triton(x_TH, w13_E2IH, w2_EHI, topk_weights_TK, topk_ids_TK, **scales)

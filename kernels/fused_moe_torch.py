@@ -26,8 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_bf16w, cpu_moe
-from kernels.reference import DEFAULT_BLOCK_SHAPE, dequant_fp8_block
+from moe_serve.kernels import cpu_bf16w, cpu_moe
+from moe_serve.kernels.reference import DEFAULT_BLOCK_SHAPE, dequant_fp8_block
 
 SCRATCH_BYTES = 16 << 20  # target size of the per-call scratch buffer (chunks shrink to fit)
 MIN_CHUNK_ROWS = 256  # below this the per-expert GEMMs get too short; the buffer grows instead

@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.fp8_quant_triton import quant_fp8_per_token_group
-from kernels.moe_align import moe_align_block_size
-from kernels.moe_configs import check_config, device_name, dtype_name, get_config
-from kernels.reference import DEFAULT_BLOCK_SHAPE, FP8_DTYPE
+from moe_serve.kernels.fp8_quant_triton import quant_fp8_per_token_group
+from moe_serve.kernels.moe_align import moe_align_block_size
+from moe_serve.kernels.moe_configs import check_config, device_name, dtype_name, get_config
+from moe_serve.kernels.reference import DEFAULT_BLOCK_SHAPE, FP8_DTYPE
 
 
 @triton.jit

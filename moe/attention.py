@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels import cpu_bf16w, cpu_mla, cpu_ops
-from moe.config import ModelConfig
-from moe.layers import RMSNorm, RotaryEmbedding
-from moe.parallel_linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, group_rank_size
+from moe_serve.kernels import cpu_bf16w, cpu_mla, cpu_ops
+from moe_serve.moe.config import ModelConfig
+from moe_serve.moe.layers import RMSNorm, RotaryEmbedding
+from moe_serve.moe.parallel_linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, group_rank_size
 
 
 @dataclass

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ops
-from moe.config import ModelConfig, yarn_mscale
-from moe.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from moe_serve.kernels import cpu_ops
+from moe_serve.moe.config import ModelConfig, yarn_mscale
+from moe_serve.moe.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 
 class RMSNorm(nn.Module):

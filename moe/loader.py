@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moe.config import ModelConfig
-from moe.fp8_block import dequantize_fp8_block
-from moe.parallel_linear import shard_for
+from moe_serve.moe.config import ModelConfig
+from moe_serve.moe.fp8_block import dequantize_fp8_block
+from moe_serve.moe.parallel_linear import shard_for
 
 log = logging.getLogger(__name__)
 

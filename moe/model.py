@@ -12,16 +12,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from balancer.placement import build_log2phy, logical_to_physical
-from experts.dispatch import DispatchStats, combine, dispatch
-from experts.relocate import relocate
-from experts.router import RouterConfig, route
-from experts.weights import ExpertWeights
-from kernels import cpu_build, cpu_decode_layer, cpu_moe, fused_moe
-from moe.attention import AttentionMetadata, MLAttention
-from moe.config import ModelConfig
-from moe.layers import MLP, RMSNorm, RotaryEmbedding
-from moe.parallel_linear import PackedLinear, ParallelLMHead, VocabParallelEmbedding, all_reduce, group_rank_size
+from moe_serve.balancer.placement import build_log2phy, logical_to_physical
+from moe_serve.experts.dispatch import DispatchStats, combine, dispatch
+from moe_serve.experts.relocate import relocate
+from moe_serve.experts.router import RouterConfig, route
+from moe_serve.experts.weights import ExpertWeights
+from moe_serve.kernels import cpu_build, cpu_decode_layer, cpu_moe, fused_moe
+from moe_serve.moe.attention import AttentionMetadata, MLAttention
+from moe_serve.moe.config import ModelConfig
+from moe_serve.moe.layers import MLP, RMSNorm, RotaryEmbedding
+from moe_serve.moe.parallel_linear import PackedLinear, ParallelLMHead, VocabParallelEmbedding, all_reduce, group_rank_size
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ def _demo() -> None:
     model.after_loading()
     block_size, T = 4, 5
     kv_caches = [torch.zeros(2, block_size, cfg.kv_cache_dim) for _ in range(cfg.num_hidden_layers)]
-    from moe.attention import PrefillSeq
+    from moe_serve.moe.attention import PrefillSeq
 
     meta = AttentionMetadata(
         slot_mapping_T=torch.arange(T), decode_token_idx_B=torch.empty(0, dtype=torch.long),

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear
-from parallel import comm
+from moe_serve.kernels import cpu_linear
+from moe_serve.parallel import comm
 
 
 def group_rank_size(group: comm.Group | None) -> tuple[int, int]:

@@ -17,7 +17,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from parallel.watchdog import Watchdog
+from moe_serve.parallel.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from parallel import comm
-from parallel.comm import Group, all_gather_object
-from parallel.config import ParallelConfig
-from parallel.watchdog import Watchdog
+from moe_serve.parallel import comm
+from moe_serve.parallel.comm import Group, all_gather_object
+from moe_serve.parallel.config import ParallelConfig
+from moe_serve.parallel.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 AXES = ("tp", "dp", "pp", "ep")

@@ -5,8 +5,9 @@
 
 Each load is a series of windows of per-expert token counts, [W, L, E]: expected shares per layer that
 drift between windows (log-normal steps) and Poisson sampling of 8192 tokens x 8 experts per window.
-For every window we plan with EPLB's hierarchical and global policies (scripts/eplb_reference.py) and with
-ours from scratch; "ours + previous" re-plans each window from the plan in service (chained from window
+For every window we plan with EPLB's hierarchical and global policies and with ours from scratch; EPLB is
+DeepSeek's, imported from vLLM's installed package or a checkout given with --eplb (scripts/eplb_peer.py;
+the run prints which); "ours + previous" re-plans each window from the plan in service (chained from window
 0), and "EPLB moved" is what EPLB's own choice of policy reloads from one window to the next.
 Balancedness of a plan = mean over layers of mean GPU load / max GPU load; cells show mean / worst layer.
 Checks per row, on every window: ours fresh >= max(EPLB hierarchical, EPLB global); ours + previous
@@ -24,11 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import eplb_reference  # noqa: E402
-from balancer import balancedness, moved_slots, rebalance_experts, validate_plan  # noqa: E402
+from eplb_peer import Eplb, load_eplb
+from moe_serve.balancer import balancedness, moved_slots, rebalance_experts, validate_plan
 
 TOKENS_PER_WINDOW = 8192 * 8  # tokens x top-k routed per layer per window
 MAX_MOVED = 1 / 3
@@ -99,7 +97,7 @@ def plan(fn, *args, **kwargs):
     return phy2log, log2phy, logcnt, time.process_time() - start
 
 
-def run_row(dep: Deployment, windows_WLE: torch.Tensor) -> dict:
+def run_row(dep: Deployment, windows_WLE: torch.Tensor, eplb: Eplb) -> dict:
     args = (dep.num_replicas, dep.num_groups, dep.num_nodes, dep.num_gpus)
     bal = {k: [] for k in ("hier", "global", "fresh", "prev")}
     worst = {k: 1.0 for k in bal}
@@ -109,9 +107,9 @@ def run_row(dep: Deployment, windows_WLE: torch.Tensor) -> dict:
     for weight_LE in windows_WLE:
         results = {}
         for key, policy in (("hier", "hierarchical"), ("global", "global")):
-            phy2log, log2phy, logcnt, dt = plan(eplb_reference.rebalance_experts, weight_LE, *args, policy=policy)
-            results[key] = phy2log
-            t_eplb.append(dt)
+            start = time.process_time()
+            results[key] = eplb.plan(weight_LE, *args, policy=policy)
+            t_eplb.append(time.process_time() - start)
         eplb_auto = results["hier" if dep.num_groups % dep.num_nodes == 0 else "global"]
         phy2log, log2phy, logcnt, dt = plan(rebalance_experts, weight_LE, *args)
         validate_plan(phy2log, log2phy, logcnt, dep.num_experts)
@@ -168,12 +166,16 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=5, help="windows per load (the first is planned fresh)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 layers, 3 windows")
+    parser.add_argument("--eplb", metavar="PATH", help="a checkout of deepseek-ai/EPLB (default: vLLM's package)")
+    parser.add_argument("--vllm-venv", help="the vLLM venv to import EPLB from (default: .cache/vllm-venv)")
     opts = parser.parse_args()
+    eplb = load_eplb(opts.eplb, opts.vllm_venv)
     if opts.quick:
         opts.layers, opts.windows = 8, 3
     torch.set_num_threads(1)  # as rebalance_experts does internally; many small ops gain nothing from threads
     print(f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}, {opts.layers} layers, {opts.windows} windows, seed {opts.seed}")
+    print(f"EPLB: {eplb.source}")
     print()
     print("| deployment | load | EPLB hierarchical | EPLB global | ours (fresh) | ours + previous "
           "| moved: ours + previous | moved: EPLB | CPU per call: ours fresh / + previous / EPLB | targets |")
@@ -183,7 +185,7 @@ def main() -> None:
         for l, (load, (kind, sigma)) in enumerate(LOADS.items()):
             windows_WLE = make_windows(kind, sigma, opts.windows, opts.layers, dep.num_experts,
                                        seed=opts.seed * 1000 + d * 10 + l)
-            r = run_row(dep, windows_WLE)
+            r = run_row(dep, windows_WLE, eplb)
             cell = {k: f"{r['bal'][k]:.4f} / {r['worst'][k]:.4f}" for k in r["bal"]}
             ok = r["ok_fresh"] and r["ok_prev"]
             all_ok &= ok

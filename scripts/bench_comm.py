@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experts.permute import dispatch_volume  # noqa: E402
-from experts.router import RouterConfig, route  # noqa: E402
+from moe_serve.experts.permute import dispatch_volume  # noqa: E402
+from moe_serve.experts.router import RouterConfig, route  # noqa: E402
 
 V3 = dict(num_experts=256, top_k=8, num_groups=8, topk_group=4, hidden=7168, elem=2)  # bf16
 REAL = dict(num_experts=64, top_k=8, num_groups=8, topk_group=4, hidden=256, tokens=[48, 0, 64, 40], world=4)
@@ -63,9 +61,9 @@ def analytic_rows(num_tokens: int) -> list[str]:
 
 
 def _real_worker(out_dir: str) -> None:
-    from experts.dispatch import combine, dispatch
-    from parallel.config import ParallelConfig
-    from parallel.state import init_parallel, shutdown
+    from moe_serve.experts.dispatch import combine, dispatch
+    from moe_serve.parallel.config import ParallelConfig
+    from moe_serve.parallel.state import init_parallel, shutdown
 
     W, H = REAL["world"], REAL["hidden"]
     state = init_parallel(ParallelConfig(data_parallel_size=W, enable_expert_parallel=True, collective_timeout_s=60))
@@ -81,7 +79,7 @@ def _real_worker(out_dir: str) -> None:
 
 
 def real_run() -> list[str]:
-    from parallel.launch import spawn_ranks
+    from moe_serve.parallel.launch import spawn_ranks
 
     W, H = REAL["world"], REAL["hidden"]
     with tempfile.TemporaryDirectory() as d:

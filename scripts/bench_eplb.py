@@ -13,17 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from moe.tiny import ensure_checkpoint  # noqa: E402
-from server import LLM, SamplingParams  # noqa: E402
+from moe_serve.moe.tiny import ensure_checkpoint  # noqa: E402
+from moe_serve.server import LLM, SamplingParams  # noqa: E402
 
 
 def skewed_checkpoint(base: Path, out: Path, hot: list[int], boost: float) -> Path:
@@ -82,7 +80,7 @@ def main() -> None:
         ep = llm.engine.parallel.ep
         ranks = torch.tensor(load["rank_tokens"], dtype=torch.float64)
         if ep.size > 1:
-            from parallel import comm
+            from moe_serve.parallel import comm
             ranks = comm.all_reduce(ranks, ep)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append({"phase": phase, "max_over_mean": max_over_mean({"rank_tokens": ranks.tolist()}),

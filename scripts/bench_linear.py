@@ -13,16 +13,13 @@ is what a CPU without bf16 arithmetic would otherwise run.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import cpu_bf16w, cpu_linear  # noqa: E402
+from moe_serve.kernels import cpu_bf16w, cpu_linear  # noqa: E402
 
 
 def per_call_us(fn, calls: int, repeats: int = 5) -> float:

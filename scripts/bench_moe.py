@@ -22,19 +22,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this repo's `kernels`, not PyPI's
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import DeepseekV3Config  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import cpu_moe, fused_moe  # noqa: E402
+from moe_serve import kernels  # noqa: E402
+from moe_serve.kernels import cpu_moe, fused_moe  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

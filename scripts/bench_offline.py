@@ -28,13 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from moe.tiny import ensure_checkpoint, load_reference_model  # noqa: E402
-from parallel.launch import free_port  # noqa: E402
-from server import LLM, SamplingParams  # noqa: E402
+from moe_serve.moe.tiny import ensure_checkpoint, load_reference_model  # noqa: E402
+from moe_serve.parallel.launch import free_port  # noqa: E402
+from moe_serve.server import LLM, SamplingParams  # noqa: E402
 
 
 def make_prompts(n: int, vocab: int, seed: int, min_len: int, max_len: int) -> list[list[int]]:

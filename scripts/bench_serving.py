@@ -8,11 +8,9 @@ The same as `moe bench serve`; the code lives in `server/bench.py`. Example:
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.bench import main  # noqa: E402
+from moe_serve.server.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,17 +15,15 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from kernels import cpu_build  # noqa: E402
-from moe.tiny import ensure_checkpoint  # noqa: E402
-from server import LLM, SamplingParams  # noqa: E402
+from moe_serve.kernels import cpu_build  # noqa: E402
+from moe_serve.moe.tiny import ensure_checkpoint  # noqa: E402
+from moe_serve.server import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -33,15 +33,14 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None
 
 
 def main() -> None:
-    sys.path.insert(0, str(REPO))
-    from moe.tiny import ensure_checkpoint
-    from parallel.launch import free_port
+    from moe_serve.moe.tiny import ensure_checkpoint
+    from moe_serve.parallel.launch import free_port
 
     ensure_checkpoint(MODEL, "v3")
     port, master_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(master_port), "-m", "server", "-v", "serve", str(MODEL), "-dp", "2",
+           "--master-port", str(master_port), "-m", "moe_serve.server", "-v", "serve", str(MODEL), "-dp", "2",
            "--enable-expert-parallel", "--port", str(port)]
     log_path = REPO / "out" / "serve.log"
     log_path.parent.mkdir(exist_ok=True)
@@ -65,11 +64,11 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         print(f"{tokens} completion tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s (sequential requests)")
         out_dir = REPO / "out" / "report"
-        subprocess.run([sys.executable, "-m", "server", "report", "--url", url, "--out", str(out_dir)], check=True,
+        subprocess.run([sys.executable, "-m", "moe_serve.server", "report", "--url", url, "--out", str(out_dir)], check=True,
                        cwd=REPO)
         print(f"expert-load report written to {out_dir}")
     finally:
-        from parallel.launch import kill_job
+        from moe_serve.parallel.launch import kill_job
 
         kill_job(master_port)  # every rank, front end included
         if server.poll() is None:

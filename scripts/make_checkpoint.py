@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from moe.tiny import PRESETS, make_checkpoint  # noqa: E402
+from moe_serve.moe.tiny import PRESETS, make_checkpoint
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -29,7 +29,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
 
 from api_server import httpx, running_server  # noqa: E402
 
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     if model is None:
-        from moe.tiny import make_checkpoint
+        from moe_serve.moe.tiny import make_checkpoint
 
         model = str(make_checkpoint(Path(tempfile.mkdtemp(prefix="soak-")), "v3"))
     body = {"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": args.max_tokens,

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+# -P: the checkout root stays off sys.path, so its folders never shadow PyPI packages named `kernels`, `server`...
+exec .venv/bin/python -P -m pytest -q -ra "$@"

@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this repo's `kernels`, not PyPI's
 
 import torch  # noqa: E402
 
@@ -44,7 +43,7 @@ def candidates(search: str, fp8_block_k: int | None):
 
 def quant_weight_fp8(w_EOD: torch.Tensor, block: tuple[int, int]):
     """Block-quantize float weights the way DeepSeek-V3 stores them: real = fp8 * scale."""
-    from kernels.reference import FP8_DTYPE, FP8_MAX
+    from moe_serve.kernels.reference import FP8_DTYPE, FP8_MAX
 
     E, O, D = w_EOD.shape
     ob, db = math.ceil(O / block[0]), math.ceil(D / block[1])
@@ -97,9 +96,9 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: tuning the CPU interpreter would measure nothing useful")
 
-    from kernels.fused_moe import fused_moe
-    from kernels.fused_moe_triton import fused_moe_triton
-    from kernels.moe_configs import CONFIG_DIR, config_file_name, device_name
+    from moe_serve.kernels.fused_moe import fused_moe
+    from moe_serve.kernels.fused_moe_triton import fused_moe_triton
+    from moe_serve.kernels.moe_configs import CONFIG_DIR, config_file_name, device_name
 
     E, I, H, K = args.experts, args.intermediate, args.hidden, args.topk
     fp8 = args.dtype == "fp8_w8a8"

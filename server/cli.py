@@ -1,4 +1,4 @@
-"""`moe` command line: `moe generate`, `moe serve`, `moe report`, `moe plan`, `moe make-checkpoint`, `moe bench serve` (and `python -m server ...`)."""
+"""`moe` command line: `moe generate`, `moe serve`, `moe report`, `moe plan`, `moe make-checkpoint`, `moe bench serve` (and `python -m moe_serve.server ...`)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from server import LLM, SamplingParams
+    from moe_serve.server import LLM, SamplingParams
 
     model = Path(args.model)
     if args.model == str(DEFAULT_MODEL) and not (model / "config.json").exists():
-        from moe.tiny import make_checkpoint
+        from moe_serve.moe.tiny import make_checkpoint
 
         print(f"making the embedded default checkpoint in {model} ...", flush=True)
         make_checkpoint(model, "v3")
@@ -65,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from moe.tiny import make_checkpoint
+    from moe_serve.moe.tiny import make_checkpoint
 
     out = make_checkpoint(args.out, args.preset, dtype=args.dtype, seed=args.seed, fp8=args.fp8)
     print(f"wrote {args.preset} checkpoint to {out}")
@@ -73,8 +73,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from moe.config import ModelConfig
-    from server.config import EngineConfig
+    from moe_serve.moe.config import ModelConfig
+    from moe_serve.server.config import EngineConfig
 
     eplb = json.loads(args.eplb_config) if args.eplb_config else {}
     if not isinstance(eplb, dict):
@@ -96,15 +96,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if world != EngineConfig(**kwargs).parallel_config().world_size:
         raise ValueError(f"the layout -pp {args.pipeline_parallel_size} x -dp {args.data_parallel_size} x "
                          f"-tp {args.tensor_parallel_size} needs that many ranks; launch with "
-                         f"torchrun --nproc-per-node N -m server serve ... (now {world})")
+                         f"torchrun --nproc-per-node N -m moe_serve.server serve ... (now {world})")
     if world > 1 and int(os.environ["RANK"]) != 0:
-        from server.engine_loop import run_follower
+        from moe_serve.server.engine_loop import run_follower
 
         _setup_logging(args.verbose)
         run_follower(kwargs)  # rank 0 runs the front end; its engine process is rank 0 of the job
         return 0
 
-    from server.api import ServerArgs, run_server
+    from moe_serve.server.api import ServerArgs, run_server
 
     level = logging.INFO if args.verbose else logging.WARNING
     print(f"moe serve: {args.model} on http://{args.host}:{args.port} (GET /ready answers 200 once warmed up)",
@@ -118,14 +118,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from balancer.placement_file import format_what_if, read_load_file, what_if
+    from moe_serve.balancer.placement_file import format_what_if, read_load_file, what_if
 
     dump = read_load_file(args.load)
     if dump["load"] is None:
         raise ValueError(f"{args.load} has no logical_counts to plan from")
     expert_bytes = None
     if args.model:
-        from moe.config import ModelConfig
+        from moe_serve.moe.config import ModelConfig
 
         mc = ModelConfig.from_dir(args.model)
         itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(mc.torch_dtype or "bfloat16", 2)
@@ -142,7 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from server.report import main as report_main
+    from moe_serve.server.report import main as report_main
 
     return report_main(args)
 
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     bench_p = sub.add_parser("bench", help="benchmarks; `moe bench serve`: goodput, TTFT and TPOT against a server")
     bench_sub = bench_p.add_subparsers(dest="bench_command", required=True)
-    from server import bench  # stdlib-only at import
+    from moe_serve.server import bench  # stdlib-only at import
 
     bs = bench_sub.add_parser("serve", help="open-loop Poisson replay against an OpenAI-compatible server on this host",
                               description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

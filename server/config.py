@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from balancer.rebalancer import EplbConfig
-from parallel.config import ParallelConfig
+from moe_serve.balancer.rebalancer import EplbConfig
+from moe_serve.parallel.config import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

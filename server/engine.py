@@ -15,23 +15,23 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from balancer.placement_file import initial_placement
-from balancer.rebalancer import Rebalancer
-from balancer.stats import ExpertLoadRecorder
-from experts.dispatch import DispatchStats
-from moe.config import ModelConfig
-from parallel import comm
-from parallel.pipeline import stage_layer_range
-from parallel.state import init_parallel, log_rank_table
-from server.block_manager import BlockManager
-from server.config import EngineConfig
-from server.outputs import CompletionOutput, RequestOutput
-from server.request import Request, RequestStatus
-from server.runner import ModelRunner
-from server.sampler import SampleResult
-from server.sampling_params import SamplingParams
-from server.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from server.startup import PhaseTimer
+from moe_serve.balancer.placement_file import initial_placement
+from moe_serve.balancer.rebalancer import Rebalancer
+from moe_serve.balancer.stats import ExpertLoadRecorder
+from moe_serve.experts.dispatch import DispatchStats
+from moe_serve.moe.config import ModelConfig
+from moe_serve.parallel import comm
+from moe_serve.parallel.pipeline import stage_layer_range
+from moe_serve.parallel.state import init_parallel, log_rank_table
+from moe_serve.server.block_manager import BlockManager
+from moe_serve.server.config import EngineConfig
+from moe_serve.server.outputs import CompletionOutput, RequestOutput
+from moe_serve.server.request import Request, RequestStatus
+from moe_serve.server.runner import ModelRunner
+from moe_serve.server.sampler import SampleResult
+from moe_serve.server.sampling_params import SamplingParams
+from moe_serve.server.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from moe_serve.server.startup import PhaseTimer
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from server.engine_loop import pack, run_engine_process, unpack
-from server.metrics import Metrics
-from server.sampling_params import SamplingParams
+from moe_serve.server.engine_loop import pack, run_engine_process, unpack
+from moe_serve.server.metrics import Metrics
+from moe_serve.server.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

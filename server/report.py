@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from balancer.placement import balancedness, gpu_loads
+from moe_serve.balancer.placement import balancedness, gpu_loads
 
 
 def load_dump(url: str | None = None, file: str | None = None, view: str = "window",
@@ -89,7 +89,7 @@ def analyse(dump: dict, ep_size: int | None = None, extra: int | None = None) ->
     rep_LR = torch.stack([replicate_hottest(weight_LE[i], phy2log_LR[i], G, K) for i in range(L)])
     rep_L = balancedness(weight_LE, rep_LR, _units(R + K, G))
     try:
-        from balancer.eplb import rebalance_experts
+        from moe_serve.balancer.eplb import rebalance_experts
 
         eplb_LR = rebalance_experts(weight_LE, R + K, 1, 1, _units(R + K, G))[0]
         eplb_L = balancedness(weight_LE, eplb_LR, _units(R + K, G))

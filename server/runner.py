@@ -12,18 +12,18 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_bf16w
-from kernels.cpu_linear import bf16_supported
-from moe.attention import AttentionMetadata, PrefillSeq
-from moe.config import ModelConfig
-from moe.loader import load_checkpoint
-from moe.model import DeepseekForCausalLM
-from parallel import comm
-from parallel.pipeline import split_micro_batches, stage_layer_range
-from parallel.state import ParallelState
-from server.sampler import SampleResult, sample
-from server.scheduler import ScheduledRequest, SchedulerOutput
-from server.startup import PhaseTimer
+from moe_serve.kernels import cpu_bf16w
+from moe_serve.kernels.cpu_linear import bf16_supported
+from moe_serve.moe.attention import AttentionMetadata, PrefillSeq
+from moe_serve.moe.config import ModelConfig
+from moe_serve.moe.loader import load_checkpoint
+from moe_serve.moe.model import DeepseekForCausalLM
+from moe_serve.parallel import comm
+from moe_serve.parallel.pipeline import split_micro_batches, stage_layer_range
+from moe_serve.parallel.state import ParallelState
+from moe_serve.server.sampler import SampleResult, sample
+from moe_serve.server.scheduler import ScheduledRequest, SchedulerOutput
+from moe_serve.server.startup import PhaseTimer
 
 log = logging.getLogger(__name__)
 

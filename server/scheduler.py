@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.block_manager import BlockManager
-from server.request import Request, RequestStatus
+from moe_serve.server.block_manager import BlockManager
+from moe_serve.server.request import Request, RequestStatus
 
 
 @dataclass

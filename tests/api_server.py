@@ -1,4 +1,4 @@
-"""Starts `python -m server serve` on a free port for the API tests and stops it (engine included)."""
+"""Starts `python -m moe_serve.server serve` on a free port for the API tests and stops it (engine included)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ try:
 except ImportError:  # newer openai releases ship the client as httpx2
     import httpx2 as httpx  # noqa: F401 - re-exported for the tests
 
-from parallel.launch import free_port  # noqa: E402  (re-exported for the tests)
+from moe_serve.parallel.launch import free_port  # noqa: E402  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ class Server:
 
 @contextmanager
 def running_server(model_dir: str, *args: str, api_key: str | None = None, timeout_s: float = 180.0, nproc: int = 1):
-    """nproc > 1 launches under torchrun (every rank runs `-m server serve`; rank 0 serves HTTP)."""
+    """nproc > 1 launches under torchrun (every rank runs `-m moe_serve.server serve`; rank 0 serves HTTP)."""
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="moe-serve-test-", suffix=".log")[1])
     launcher = [sys.executable]
@@ -84,7 +84,7 @@ def running_server(model_dir: str, *args: str, api_key: str | None = None, timeo
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                      "--master-port", str(master_port)]
-    cmd = [*launcher, "-m", "server", "serve", model_dir, "--dtype", "float32", "--port", str(port), *args]
+    cmd = [*launcher, "-m", "moe_serve.server", "serve", model_dir, "--dtype", "float32", "--port", str(port), *args]
     if api_key:
         cmd += ["--api-key", api_key]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -107,7 +107,7 @@ def running_server(model_dir: str, *args: str, api_key: str | None = None, timeo
         yield server
     finally:
         if nproc > 1:
-            from parallel.launch import kill_job
+            from moe_serve.parallel.launch import kill_job
 
             kill_job(master_port)  # torchrun's workers live in sessions of their own
         if proc.poll() is None:

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(preset, **kw) -> directory; each distinct request is built once per session."""
-    from moe.tiny import make_checkpoint
+    from moe_serve.moe.tiny import make_checkpoint
 
     made: dict[tuple, str] = {}
 

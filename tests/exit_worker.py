@@ -1,16 +1,13 @@
 """Run under torchrun by test_comm_exit.py: a few control messages and pipeline sends over gloo, then a
 plain return from main, as every SPMD script ends."""
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from parallel import comm  # noqa: E402
-from parallel.config import ParallelConfig  # noqa: E402
-from parallel.state import init_parallel  # noqa: E402
+from moe_serve.parallel import comm  # noqa: E402
+from moe_serve.parallel.config import ParallelConfig  # noqa: E402
+from moe_serve.parallel.state import init_parallel  # noqa: E402
 
 
 def main() -> None:

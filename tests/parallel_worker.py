@@ -6,9 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server import LLM, SamplingParams  # noqa: E402
+from moe_serve.server import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import pytest
 from api_server import running_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from server import LLM, SamplingParams
+from moe_serve.server import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Hello", "Once upon a time there was", "The expert router", "1 2 3 4"]
@@ -62,7 +62,7 @@ def test_lost_rank_turns_health_503(checkpoint, tmp_path):
     def node(rank: int, log):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
                "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
-               "-m", "server", "serve", ckpt, "--dtype", "float32", "--port", str(port), "-dp", "2",
+               "-m", "moe_serve.server", "serve", ckpt, "--dtype", "float32", "--port", str(port), "-dp", "2",
                "--enable-expert-parallel"]
         return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

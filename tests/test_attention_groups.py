@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from moe.attention import AttentionMetadata, MLAttention
-from moe.config import ModelConfig
-from moe.layers import RotaryEmbedding
-from server.runner import decode_group_bounds
+from moe_serve.moe.attention import AttentionMetadata, MLAttention
+from moe_serve.moe.config import ModelConfig
+from moe_serve.moe.layers import RotaryEmbedding
+from moe_serve.server.runner import decode_group_bounds
 
 
 def test_group_bounds_cover_rows_once():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from server import LLM, SamplingParams
+from moe_serve.server import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +73,11 @@ def test_engine_still_works_after_bad_input(llm):
 
 
 def test_cli_generate_and_error(checkpoint):
-    ok = subprocess.run([sys.executable, "-m", "server", "generate", checkpoint("v3"), "--prompt", "Hi",
+    ok = subprocess.run([sys.executable, "-m", "moe_serve.server", "generate", checkpoint("v3"), "--prompt", "Hi",
                          "--max-tokens", "4", "--dtype", "float32"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "tokens/s" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "server", "generate", checkpoint("v3"), "--dtype", "float13"],
+    bad = subprocess.run([sys.executable, "-m", "moe_serve.server", "generate", checkpoint("v3"), "--dtype", "float13"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["moe: error: dtype 'float13' is not supported; expected one of "

@@ -17,8 +17,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server import bench
-from server.bench import BenchRequest, RequestResult
+from moe_serve.server import bench
+from moe_serve.server.bench import BenchRequest, RequestResult
 
 
 # ---- arrivals ----------------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ def test_time_limit_cuts_and_counts():
 
 
 def test_cli_registration():
-    from server.cli import build_parser
+    from moe_serve.server.cli import build_parser
 
     args = build_parser().parse_args(["bench", "serve", "--request-rates", "1", "inf", "--num-prompts", "3"])
     assert args.func is bench.run_cli and args.request_rates == [1.0, math.inf] and args.num_prompts == 3

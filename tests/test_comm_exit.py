@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.launch import free_port
+from moe_serve.parallel.launch import free_port
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("exit_worker.py")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_decode_layer, cpu_mla, cpu_moe
-from kernels.cpu_linear import bf16_supported
-from moe.tiny import make_checkpoint
-from server import LLM, SamplingParams
-from server.runner import compute_dtype
+from moe_serve.kernels import cpu_build, cpu_decode_layer, cpu_mla, cpu_moe
+from moe_serve.kernels.cpu_linear import bf16_supported
+from moe_serve.moe.tiny import make_checkpoint
+from moe_serve.server import LLM, SamplingParams
+from moe_serve.server.runner import compute_dtype
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5"]
 
@@ -38,10 +38,9 @@ def test_bf16_without_bf16_arithmetic(tmp_path, monkeypatch, caplog):
     bf16, the others in float32 with bf16 values, a bf16 KV cache. On a bf16 checkpoint the weights are
     those of the float32 engine (but the router bias), so the rounding of the cache and that bias (and the
     kernels' summation order) separate the two: same greedy tokens, logprobs within bf16 rounding."""
-    import server.runner
-
+    from moe_serve.server import runner as server_runner
     caplog.set_level("INFO")
-    monkeypatch.setattr(server.runner, "bf16_supported", lambda: False)
+    monkeypatch.setattr(server_runner, "bf16_supported", lambda: False)
     ckpt = make_checkpoint(tmp_path / "bf16", "v3", dtype="bfloat16")
     llm = LLM(ckpt, dtype="bfloat16", max_num_batched_tokens=16)  # chunked prefill as well as decode
     runner = llm.engine.runner
@@ -81,9 +80,8 @@ def test_bf16_without_bf16_arithmetic(tmp_path, monkeypatch, caplog):
 
 def test_fp32_checkpoint_rounded_to_bf16(checkpoint, monkeypatch):
     """--dtype bfloat16 on a float32 checkpoint holds the bf16 values of its weights, not the float32 ones."""
-    import server.runner
-
-    monkeypatch.setattr(server.runner, "bf16_supported", lambda: False)
+    from moe_serve.server import runner as server_runner
+    monkeypatch.setattr(server_runner, "bf16_supported", lambda: False)
     ckpt = checkpoint("v3")
     weights = [p.float() for p in LLM(ckpt, dtype="bfloat16").engine.runner.model.parameters() if p.numel() > 1]
     assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in weights)

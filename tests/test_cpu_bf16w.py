@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_bf16w, cpu_build, fused_moe, fused_moe_reference
+from moe_serve.kernels import cpu_bf16w, cpu_build, fused_moe, fused_moe_reference
 
 CAN_BUILD = (platform.machine() == "x86_64" and cpu_build.cpu_has("avx2", "fma")
              and (shutil.which("cc") or shutil.which("gcc")) is not None)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experts.router import RouterConfig, route
-from kernels import cpu_bf16w, cpu_build, cpu_mla, cpu_moe, cpu_ops, fused_moe, fused_moe_reference
+from moe_serve.experts.router import RouterConfig, route
+from moe_serve.kernels import cpu_bf16w, cpu_build, cpu_mla, cpu_moe, cpu_ops, fused_moe, fused_moe_reference
 
 needs_kernels = pytest.mark.skipif(cpu_build.lib() is None, reason="no C compiler or no AVX2 + FMA here")
 
@@ -230,12 +230,12 @@ def test_mla_cache_write_equals_reference(interleaved):
 def test_decode_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch, preset, overrides, fused_layers):
     """All-decode steps run each layer in one C call (kernels/cpu_decode_layer.py) where it can: the same
     greedy tokens, logprobs and recorded expert load as the model's layer-by-layer kernel calls."""
-    import server.runner
-    from kernels.cpu_decode_layer import DecodeLayerKernel
-    from moe.tiny import make_checkpoint
-    from server import LLM, SamplingParams
+    from moe_serve.server import runner as server_runner
+    from moe_serve.kernels.cpu_decode_layer import DecodeLayerKernel
+    from moe_serve.moe.tiny import make_checkpoint
+    from moe_serve.server import LLM, SamplingParams
 
-    monkeypatch.setattr(server.runner, "bf16_supported", lambda: False)  # bf16 weights, float32 compute
+    monkeypatch.setattr(server_runner, "bf16_supported", lambda: False)  # bf16 weights, float32 compute
     ckpt = make_checkpoint(tmp_path / preset, preset, dtype="bfloat16", overrides=overrides)
     fused, plain = (LLM(ckpt, dtype="bfloat16", max_num_batched_tokens=16) for _ in range(2))
     layers = fused.engine.runner.model.model.layers
@@ -262,7 +262,7 @@ def test_decode_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatc
 
 @needs_kernels
 def test_decode_layer_kernel_refuses_weights_it_cannot_take():
-    from kernels.cpu_decode_layer import DecodeLayerKernel, LayerWeights, Router
+    from moe_serve.kernels.cpu_decode_layer import DecodeLayerKernel, LayerWeights, Router
 
     H, Qr, N, Dn, R, Dv, C, E, I = 16, 12, 2, 8, 4, 8, 16, 4, 8
     bf = lambda *shape: torch.randn(*shape).bfloat16()  # noqa: E731

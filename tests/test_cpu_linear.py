@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
-from moe.parallel_linear import ColumnParallelLinear
+from moe_serve.kernels import cpu_linear
+from moe_serve.moe.parallel_linear import ColumnParallelLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 64, 257])
@@ -39,7 +39,7 @@ def test_only_bf16_cpu_weights_are_packed():
 def test_bf16_engine_same_tokens_with_and_without_packing(checkpoint, monkeypatch):
     """The packed path changes the speed of a bf16 model on CPU, not its output: greedy tokens and logprobs
     equal those of the same engine with every layer on F.linear."""
-    from server import LLM, SamplingParams
+    from moe_serve.server import LLM, SamplingParams
 
     ckpt = checkpoint("v3")
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5"]

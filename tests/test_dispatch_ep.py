@@ -56,11 +56,11 @@ def _make_case(seed: int, tokens: list[int], K: int, how: str, world: int):
 
 
 def _ep_worker(out_dir: str, world: int) -> None:
-    from experts.dispatch import combine, dispatch
-    from experts.permute import dispatch_volume
-    from kernels import fused_moe
-    from parallel.config import ParallelConfig
-    from parallel.state import init_parallel, shutdown
+    from moe_serve.experts.dispatch import combine, dispatch
+    from moe_serve.experts.permute import dispatch_volume
+    from moe_serve.kernels import fused_moe
+    from moe_serve.parallel.config import ParallelConfig
+    from moe_serve.parallel.state import init_parallel, shutdown
 
     state = init_parallel(ParallelConfig(data_parallel_size=world, enable_expert_parallel=True, collective_timeout_s=30))
     me, results = state.ep.index, {}
@@ -88,7 +88,7 @@ def _ep_worker(out_dir: str, world: int) -> None:
 
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
-    from parallel.launch import spawn_ranks
+    from moe_serve.parallel.launch import spawn_ranks
 
     made = {}
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from experts import permute
-from experts.dispatch import DispatchStats, combine, dispatch
-from kernels import fused_moe
+from moe_serve.experts import permute
+from moe_serve.experts.dispatch import DispatchStats, combine, dispatch
+from moe_serve.kernels import fused_moe
 
 # slots_per_rank = 2, W = 3: slots 0-1 on rank 0, 2-3 on rank 1, 4-5 on rank 2
 IDS_TK = torch.tensor([[0, 1], [1, 4], [5, -1]])

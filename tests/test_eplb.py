@@ -1,20 +1,16 @@
-"""The expert balancer (balancer/eplb.py): valid plans, EPLB's balance or better, few moves with `previous`."""
-
-import os
-import sys
+"""The expert balancer (balancer/eplb.py): valid plans, near-perfect balance where the slots allow it, few moves
+with `previous`. The comparison with DeepSeek's EPLB itself is a benchmark (scripts/bench_balancer.py), run
+against EPLB as vLLM installs it: no copy of it lives in this repository."""
 
 import pytest
 import torch
 
-from balancer import balancedness, moved_slots, rebalance_experts, validate_plan
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import eplb_reference  # noqa: E402
+from moe_serve.balancer import balancedness, moved_slots, rebalance_experts, validate_plan
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """The reference EPLB runs many small ops; extra threads only slow them down on a busy CPU."""
+    """The planner runs many small ops; extra threads only slow them down on a busy CPU."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -105,16 +101,23 @@ def test_bad_arguments_say_what_is_wrong():
 
 @pytest.mark.parametrize("num_replicas,num_gpus,num_nodes,num_experts", [(288, 32, 4, 256), (320, 64, 8, 256),
                                                                          (80, 8, 1, 64)])
-def test_at_least_eplb_best_policy(num_replicas, num_gpus, num_nodes, num_experts):
+def test_balance_near_perfect_with_redundant_slots(num_replicas, num_gpus, num_nodes, num_experts):
+    """With 12-25% redundant slots, Zipf loads up to s=1.4 fit within a few percent of a perfect split (EPLB's
+    global policy reaches 0.82-0.99 on these loads, its hierarchical one 0.2-0.99: docs/benchmarks.md)."""
     for seed, s in enumerate((0.0, 1.0, 1.4)):
         weight = zipf_load(4, num_experts, s, seed=seed)
         ours = balancedness(weight, check(weight, num_replicas, num_gpus, 8, num_nodes), num_gpus)
-        for policy in ("hierarchical", "global"):
-            eplb = eplb_reference.rebalance_experts(weight, num_replicas, 8, num_nodes, num_gpus, policy=policy)[0]
-            eplb_balance = balancedness(weight, eplb, num_gpus)
-            assert ours.mean() >= eplb_balance.mean() - 1e-9, (policy, s)
-            if policy == "global":  # one of our packing candidates is exactly EPLB's global plan
-                assert (ours >= eplb_balance - 1e-9).all(), s
+        assert ours.mean() >= 0.98 and ours.min() >= 0.93, (s, ours.tolist())
+
+
+def test_without_redundancy_the_heaviest_expert_bounds_balance():
+    """R = E: no expert can be split, so some GPU holds the heaviest expert and 7 others, at least the 7 lightest;
+    on a skewed load our plan's max GPU load is within 1% of that bound (or of a perfect split)."""
+    weight = zipf_load(4, 256, 1.0, seed=7)
+    plan = check(weight, 256, 32, 8, 4)
+    ascending = weight.sort(1).values
+    floor = torch.maximum(ascending[:, -1] + ascending[:, :7].sum(1), weight.sum(1) / 32)
+    assert (balancedness(weight, plan, 32) >= weight.sum(1) / 32 / floor * 0.99).all()
 
 
 def test_previous_with_the_same_load_moves_nothing():
@@ -138,20 +141,13 @@ def test_previous_under_drift_keeps_balance_and_most_slots(num_replicas, num_gpu
         plan = replanned
 
 
-def test_previous_may_come_from_eplb():
+def test_previous_may_be_any_valid_plan():
+    """A poorly balanced plan in service (each expert in its own slot, the spare slots on the least loaded
+    experts) is repaired to within 0.01 of a fresh plan."""
     weight = zipf_load(4, 256, 1.0, seed=5)
-    eplb = eplb_reference.rebalance_experts(weight, 288, 8, 4, 32)[0]  # hierarchical: poorly balanced
-    replanned = check(weight, 288, 32, 8, 4, previous=eplb)
+    coldest = weight.argsort(1)[:, :32]
+    poor = torch.cat([torch.arange(256).expand(4, -1), coldest], 1)
+    replanned = check(weight, 288, 32, 8, 4, previous=poor)
     fresh = balancedness(weight, check(weight, 288, 32, 8, 4), 32)
+    assert balancedness(weight, poor, 32).mean() < fresh.mean() - 0.1  # the case is not trivially balanced
     assert balancedness(weight, replanned, 32).mean() >= fresh.mean() - 0.01 - 1e-9
-
-
-def test_reference_hierarchical_keeps_groups_on_nodes():
-    weight = zipf_load(3, 256, 1.0, seed=6)
-    phy2log, log2phy, logcnt = eplb_reference.rebalance_experts(weight, 288, 8, 4, 32, policy="hierarchical")
-    validate_plan(phy2log, log2phy, logcnt, 256)
-    node_of_slot = torch.arange(288) // 72
-    group_of_slot = phy2log // 32
-    for layer in range(3):
-        for group in range(8):
-            assert len(node_of_slot[group_of_slot[layer] == group].unique()) == 1

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import moe.model
-from server import LLM, SamplingParams
+from moe_serve.moe import model as moe_model
+from moe_serve.server import LLM, SamplingParams
 from test_parallel_parity import PROMPTS, free_port, single_process_tokens  # noqa: F401
 
 WORKER = Path(__file__).with_name("eplb_worker.py")
@@ -24,7 +24,7 @@ WORKER = Path(__file__).with_name("eplb_worker.py")
 def test_recorded_load_equals_router_choices(checkpoint, monkeypatch):
     llm = LLM(checkpoint("v3"), dtype="float32")
     counted: dict[int, torch.Tensor] = {}
-    real_route = moe.model.route
+    real_route = moe_model.route
     blocks = llm.engine.runner.model.moe_blocks()
     layer_of = {id(b.gate.weight): i for i, b in blocks.items()}
     E = llm.engine.model_config.n_routed_experts
@@ -35,7 +35,7 @@ def test_recorded_load_equals_router_choices(checkpoint, monkeypatch):
         counted[layer] = counted.get(layer, torch.zeros(E, dtype=torch.long)) + torch.bincount(ids.flatten(), minlength=E)
         return w, ids
 
-    monkeypatch.setattr(moe.model, "route", counting_route)
+    monkeypatch.setattr(moe_model, "route", counting_route)
     llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     load = llm.expert_load("total")
     direct = [counted[i].tolist() for i in load["layer_ids"]]
@@ -97,7 +97,7 @@ def test_moe_plan_what_if(tmp_path):
     dump.write_text(json.dumps({"layer_ids": [1, 2, 3], "num_experts": 12, "logical_counts": load,
                                 "placement": {"phy2log": [list(range(12))] * 3}}))
     out = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "-m", "server", "plan", "--load", str(dump), "--ep", "4", "--redundant", "4",
+    run = subprocess.run([sys.executable, "-m", "moe_serve.server", "plan", "--load", str(dump), "--ep", "4", "--redundant", "4",
                           "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     mean_line = [line for line in run.stdout.splitlines() if line.strip().startswith("mean")][0]
@@ -105,6 +105,6 @@ def test_moe_plan_what_if(tmp_path):
     assert planned > no_repl and planned > 0.95
     plan = json.loads(out.read_text())["placement"]["phy2log"]
     assert len(plan) == 3 and all(len(row) == 16 and set(row) == set(range(12)) for row in plan)
-    bad = subprocess.run([sys.executable, "-m", "server", "plan", "--load", str(dump), "--ep", "5"],
+    bad = subprocess.run([sys.executable, "-m", "moe_serve.server", "plan", "--load", str(dump), "--ep", "5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "expert parallel size 5 must divide 12 experts" in bad.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from balancer.stats import ExpertLoadRecorder, balancedness_per_layer
+from moe_serve.balancer.stats import ExpertLoadRecorder, balancedness_per_layer
 
 
 def test_worked_example_from_docstring():
@@ -79,8 +79,8 @@ def test_identity_placement_json():
 
 
 def test_engine_hook_counts_what_the_router_chose(checkpoint, monkeypatch):
-    import moe.model
-    from server import LLM, SamplingParams
+    from moe_serve.moe import model as moe_model
+    from moe_serve.server import LLM, SamplingParams
 
     llm = LLM(checkpoint("v3"), dtype="float32")
     engine = llm.engine
@@ -90,14 +90,14 @@ def test_engine_hook_counts_what_the_router_chose(checkpoint, monkeypatch):
     plain = [o.outputs[0].token_ids for o in llm.generate(["Hello", "Once upon a time"], params)]
     before = rec.snapshot()
     routed = []
-    real_route = moe.model.route
+    real_route = moe_model.route
 
     def counting_route(*args, **kw):
         weights, ids = real_route(*args, **kw)
         routed.append(ids.flatten().bincount(minlength=rec.num_experts))
         return weights, ids
 
-    monkeypatch.setattr(moe.model, "route", counting_route)
+    monkeypatch.setattr(moe_model, "route", counting_route)
     outs = llm.generate(["Hello again, world", "The expert router sends"], params)
     L = rec.num_layers
     direct_LE = torch.stack([sum(routed[j::L]) for j in range(L)])

@@ -25,11 +25,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
 
-import kernels  # noqa: E402
-from kernels import dequant_fp8_block, fused_moe, fused_moe_reference, moe_align_block_size  # noqa: E402
-from kernels.fused_moe_torch import fused_moe_torch  # noqa: E402
-from kernels.moe_configs import config_file_name, default_config, get_config  # noqa: E402
-from kernels.reference import FP8_DTYPE, FP8_MAX, quant_fp8_per_token_group_reference  # noqa: E402
+from moe_serve import kernels  # noqa: E402
+from moe_serve.kernels import dequant_fp8_block, fused_moe, fused_moe_reference, moe_align_block_size  # noqa: E402
+from moe_serve.kernels.fused_moe_torch import fused_moe_torch  # noqa: E402
+from moe_serve.kernels.moe_configs import config_file_name, default_config, get_config  # noqa: E402
+from moe_serve.kernels.reference import FP8_DTYPE, FP8_MAX, quant_fp8_per_token_group_reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,7 +38,7 @@ try:
 except Exception as e:  # triton missing or broken: the torch path is still tested
     triton_path, TRITON_SKIP = None, f"triton does not import: {e!r}"
 else:
-    from kernels import fused_moe_triton as triton_path
+    from moe_serve.kernels import fused_moe_triton as triton_path
 
     runs_here = DEVICE == "cuda" or triton_path._INTERPRETED
     TRITON_SKIP = None if runs_here else "kernels.fused_moe_triton was imported before TRITON_INTERPRET=1"
@@ -125,8 +125,8 @@ def test_torch_path_matches_reference(case, dtype):
 
 
 def test_torch_path_row_chunks_split_experts(monkeypatch):
-    monkeypatch.setattr("kernels.fused_moe_torch.SCRATCH_BYTES", 0)
-    monkeypatch.setattr("kernels.fused_moe_torch.MIN_CHUNK_ROWS", 7)  # 7-row chunks cut through experts
+    monkeypatch.setattr("moe_serve.kernels.fused_moe_torch.SCRATCH_BYTES", 0)
+    monkeypatch.setattr("moe_serve.kernels.fused_moe_torch.MIN_CHUNK_ROWS", 7)  # 7-row chunks cut through experts
     for dtype in TOL:
         args = make_inputs(*CASES["several_blocks_per_expert"], dtype=dtype)
         assert rel_err(fused_moe_torch(*args), fused_moe_reference(*args)) <= TOL[dtype]
@@ -198,7 +198,7 @@ def test_triton_path_fp8_w8a8(case):
 
 @needs_triton
 def test_fp8_activation_quant_kernel():
-    from kernels.fp8_quant_triton import quant_fp8_per_token_group
+    from moe_serve.kernels.fp8_quant_triton import quant_fp8_per_token_group
 
     x = torch.randn(7, 200, generator=torch.Generator().manual_seed(3)) * 5
     x[2, :128] = 0  # an all-zero group gets the eps scale, not a division by zero

@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-import experts
-import kernels
-import moe
-import server
+from moe_serve import experts
+from moe_serve import kernels
+from moe_serve import moe
+from moe_serve import server
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.config import ParallelConfig
-from parallel.state import group_layout, rank_coordinates
+from moe_serve.parallel.config import ParallelConfig
+from moe_serve.parallel.state import group_layout, rank_coordinates
 
 
 def test_sizes():
@@ -88,7 +88,7 @@ def test_group_layout_partitions_the_world(tp, dp, pp):
 
 
 def test_init_parallel_without_torchrun_is_local():
-    from parallel.state import init_parallel
+    from moe_serve.parallel.state import init_parallel
 
     state = init_parallel(ParallelConfig(), env={}, device="cpu")
     assert state.rank == 0 and state.watchdog is None and state.is_first_stage and state.is_last_stage

@@ -16,9 +16,9 @@ LAYOUTS = {"tp2dp2": dict(tensor_parallel_size=2, data_parallel_size=2), "pp2tp2
 
 
 def _groups_worker(out_dir: str, layout: str) -> None:
-    from parallel import comm
-    from parallel.config import ParallelConfig
-    from parallel.state import init_parallel, log_rank_table, rank_table, shutdown
+    from moe_serve.parallel import comm
+    from moe_serve.parallel.config import ParallelConfig
+    from moe_serve.parallel.state import init_parallel, log_rank_table, rank_table, shutdown
 
     state = init_parallel(ParallelConfig(**LAYOUTS[layout], enable_expert_parallel=True, collective_timeout_s=30))
     log_rank_table(state)
@@ -49,7 +49,7 @@ def _groups_worker(out_dir: str, layout: str) -> None:
 
 @pytest.fixture(scope="module")
 def layout_results(tmp_path_factory):
-    from parallel.launch import spawn_ranks
+    from moe_serve.parallel.launch import spawn_ranks
 
     made = {}
 

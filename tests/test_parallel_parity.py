@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_build
-from moe.tiny import make_checkpoint
-from parallel.launch import free_port
-from server import LLM, SamplingParams
+from moe_serve.kernels import cpu_build
+from moe_serve.moe.tiny import make_checkpoint
+from moe_serve.parallel.launch import free_port
+from moe_serve.server import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("parallel_worker.py")
@@ -28,8 +28,10 @@ MAX_TOKENS = 10
 LAYOUTS = {
     "tp2": ({"tensor_parallel_size": 2}, 2),
     "pp2": ({"pipeline_parallel_size": 2}, 2),
+    "dp2": ({"data_parallel_size": 2}, 2),
     "dp2-ep": ({"data_parallel_size": 2, "enable_expert_parallel": True}, 2),
     "tp2-ep": ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, 2),
+    "tp2-dp2": ({"tensor_parallel_size": 2, "data_parallel_size": 2}, 4),
     "pp2-tp2-ep": ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True}, 4),
     "pp2-dp2-ep": ({"pipeline_parallel_size": 2, "data_parallel_size": 2, "enable_expert_parallel": True}, 4),
 }

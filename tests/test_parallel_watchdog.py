@@ -16,10 +16,10 @@ TIMEOUT_S = 5.0
 def _lost_rank_worker(out_dir: str, role: dict) -> None:
     """role: {"exit": rank that exits after start-up}, {"hang": rank that sleeps hang_s before joining},
     or {"stop": rank that SIGSTOPs itself (alive, but its heartbeat stops)}."""
-    from experts.dispatch import dispatch
-    from parallel import comm
-    from parallel.config import ParallelConfig
-    from parallel.state import init_parallel
+    from moe_serve.experts.dispatch import dispatch
+    from moe_serve.parallel import comm
+    from moe_serve.parallel.config import ParallelConfig
+    from moe_serve.parallel.state import init_parallel
 
     world = int(os.environ["WORLD_SIZE"])
     state = init_parallel(ParallelConfig(data_parallel_size=world, enable_expert_parallel=True,
@@ -40,7 +40,7 @@ def _lost_rank_worker(out_dir: str, role: dict) -> None:
 
 
 def _run(tmp_path, world: int, role: dict, limit_s: float):
-    from parallel.launch import spawn_ranks
+    from moe_serve.parallel.launch import spawn_ranks
 
     codes = spawn_ranks(_lost_rank_worker, world, args=(str(tmp_path), role), timeout_s=limit_s, log_dir=tmp_path)
     all_exited = time.time()
@@ -97,8 +97,8 @@ def test_frozen_rank_is_named_by_its_stale_heartbeat(tmp_path):
 
 def _stuck_worker() -> None:
     """A 'collective' that neither completes nor raises (as an NCCL op can block the host)."""
-    from parallel.config import ParallelConfig
-    from parallel.state import init_parallel
+    from moe_serve.parallel.config import ParallelConfig
+    from moe_serve.parallel.state import init_parallel
 
     state = init_parallel(ParallelConfig(collective_timeout_s=1.0), heartbeat_interval_s=0.25)
     with state.watchdog.watch("stuck_op(world)", (0,)):
@@ -107,7 +107,7 @@ def _stuck_worker() -> None:
 
 @pytest.mark.slow
 def test_collective_that_never_returns_is_ended_by_the_heartbeat_thread(tmp_path):
-    from parallel.launch import spawn_ranks
+    from moe_serve.parallel.launch import spawn_ranks
 
     t0 = time.time()
     codes = spawn_ranks(_stuck_worker, 1, timeout_s=25, log_dir=tmp_path)
@@ -119,7 +119,7 @@ def test_collective_that_never_returns_is_ended_by_the_heartbeat_thread(tmp_path
 
 
 def test_local_errors_are_not_treated_as_lost_ranks():
-    from parallel.watchdog import Watchdog, is_comm_failure
+    from moe_serve.parallel.watchdog import Watchdog, is_comm_failure
 
     assert is_comm_failure(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
     assert is_comm_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
@@ -140,7 +140,7 @@ def test_peers_that_reported_and_exited_are_not_named_as_lost():
 
     import torch.distributed as dist
 
-    from parallel.watchdog import REPORTED_KEY, Watchdog
+    from moe_serve.parallel.watchdog import REPORTED_KEY, Watchdog
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
     wd = Watchdog(0, "127.0.0.1", store.port, timeout_s=5)

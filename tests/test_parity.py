@@ -10,8 +10,8 @@ import functools
 import pytest
 import torch
 
-from moe.tiny import load_reference_model
-from server import LLM, SamplingParams
+from moe_serve.moe.tiny import load_reference_model
+from moe_serve.server import LLM, SamplingParams
 
 MAX_TOKENS = 12
 PREFIX = "In a distant land, the council of experts met every morning to decide which tokens "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from parallel.pipeline import split_micro_batches, stage_layer_range
+from moe_serve.parallel.pipeline import split_micro_batches, stage_layer_range
 
 
 def test_stage_layer_range_covers_every_layer_once():

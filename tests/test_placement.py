@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from balancer.placement import (balancedness, build_log2phy, gpu_loads, logical_to_physical, moved_slots,
+from moe_serve.balancer.placement import (balancedness, build_log2phy, gpu_loads, logical_to_physical, moved_slots,
                                 replica_counts, validate_plan)
 
 

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from balancer.stats import ExpertLoadRecorder
-from server.cli import main
-from server.report import analyse, replicate_hottest
+from moe_serve.balancer.stats import ExpertLoadRecorder
+from moe_serve.server.cli import main
+from moe_serve.server.report import analyse, replicate_hottest
 
 
 def skewed_dump(ep_size: int = 1) -> dict:

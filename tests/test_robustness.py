@@ -8,10 +8,10 @@ import threading
 import time
 
 import pytest
-from api_server import REPO, httpx, running_server
+from api_server import httpx, running_server
 
-import server.sampler as sampler_mod
-from server import LLM, SamplingParams
+import moe_serve.server.sampler as sampler_mod
+from moe_serve.server import LLM, SamplingParams
 
 
 def _fail_for(monkeypatch, bad_ids: set[str]) -> None:
@@ -82,7 +82,7 @@ def test_failure_after_sampling_fails_one_request(checkpoint, monkeypatch):
 FAIL_SEED = 424242
 SITECUSTOMIZE = f"""
 # test-only: makes the sampler fail for requests with seed {FAIL_SEED} (loaded in the front end and engine)
-import server.sampler as _s
+import moe_serve.server.sampler as _s
 _real = _s._choose
 def _choose(row_V, req, generator):
     if req.sampling_params.seed == {FAIL_SEED}:
@@ -95,7 +95,7 @@ _s._choose = _choose
 @pytest.mark.slow
 def test_engine_error_is_500_and_others_go_on(checkpoint, tmp_path, monkeypatch):
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with running_server(checkpoint("v3"), "--max-model-len", "256") as s:
         done = {}
 
