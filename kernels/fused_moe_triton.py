@@ -29,88 +29,83 @@ from moe_serve.kernels.reference import DEFAULT_BLOCK_SHAPE, FP8_DTYPE
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
-    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-    num_pairs, size_m_padded, size_n, size_k,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, group_n, group_k,
-    TOP_K: tl.constexpr,  # a's row for pair p is p // TOP_K (tokens for w13, pairs for w2)
-    FUSE_SILU: tl.constexpr,  # b holds gate rows [0, size_n) then up rows [size_n, 2 size_n)
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    USE_FP8: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, pair_weight_ptr,
+    pair_order_ptr, block_expert_ptr, used_len_ptr,
+    num_pairs, padded_len, out_cols, depth,
+    x_row_stride, x_col_stride, w_expert_stride, w_out_stride, w_in_stride, out_row_stride, out_col_stride,
+    xs_row_stride, xs_group_stride, ws_expert_stride, ws_out_stride, ws_in_stride, ws_rows, ws_cols,
+    PAIRS_PER_ROW: tl.constexpr,  # x's row for pair p is p // PAIRS_PER_ROW (tokens for w13, pairs for w2)
+    GATED: tl.constexpr,  # w holds gate rows [0, out_cols) then up rows [out_cols, 2 out_cols): out = silu(g) * u
+    SCALE_BY_ROUTE: tl.constexpr,  # multiply each output row by its pair's routing weight
+    FP8: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot multiplies bf16 bit patterns
     FP32_IEEE: tl.constexpr,  # float32 inputs: exact products instead of tf32
-    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(size_m_padded, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(size_n, BLOCK_SIZE_N)
-    pids_per_group = GROUP_SIZE_M * num_pid_n  # row blocks of a group share weight columns in L2
-    first_pid_m = (pid // pids_per_group) * GROUP_SIZE_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_size_m
-    pid_n = (pid % pids_per_group) // group_size_m
-    if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    """One [BLOCK_M pairs, BLOCK_N output columns] tile of one expert's GEMM over the pairs the align step
+    gathered into that expert's row blocks."""
+    row_blocks, col_blocks = tl.cdiv(padded_len, BLOCK_M), tl.cdiv(out_cols, BLOCK_N)
+    tile = tl.program_id(0)
+    # GROUP_M row blocks in turn walk the column blocks together, so they share weight tiles in L2.
+    row_block, col_block = tl.swizzle2d(tile // col_blocks, tile % col_blocks, row_blocks, col_blocks, GROUP_M)
+    if row_block * BLOCK_M >= tl.load(used_len_ptr):
+        return  # past the last expert's padded run
+    expert = tl.load(block_expert_ptr + row_block).to(tl.int64)
     if expert < 0:
-        return
+        return  # a block of pairs routed to another rank's experts
 
-    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
-    row_ok = pair < num_pairs
-    a_row = pair // TOP_K
-    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    col_ok = offs_n < size_n
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    up_off = size_n * stride_bn
-    if USE_FP8:
-        a_scale_ptrs = a_scale_ptr + a_row * stride_asm
-        b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // group_n) * stride_bsn
-        up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + size_n) // group_n) * stride_bsn
+    pair_M = tl.load(pair_order_ptr + row_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    live_M = pair_M < num_pairs  # padding slots hold num_pairs
+    x_row_M = pair_M // PAIRS_PER_ROW
+    col_N = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_N = col_N < out_cols
+    lane_K = tl.arange(0, BLOCK_K)
+    w_expert = w_ptr + expert * w_expert_stride
+    if FP8:
+        ws_expert = w_scale_ptr + expert * ws_expert_stride
 
-    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k_step in range(0, tl.cdiv(size_k, BLOCK_SIZE_K)):
-        k_ok = offs_k < size_k - k_step * BLOCK_SIZE_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if FUSE_SILU:
-            b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    gate_MN = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up_MN = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, depth, BLOCK_K):
+        k_K = k0 + lane_K
+        live_K = k_K < depth
+        x_MK = tl.load(x_ptr + x_row_M[:, None] * x_row_stride + k_K[None, :] * x_col_stride,
+                       mask=live_M[:, None] & live_K[None, :], other=0.0)
+        w_at_KN = w_expert + k_K[:, None] * w_in_stride + col_N[None, :] * w_out_stride
+        w_mask_KN = live_K[:, None] & live_N[None, :]
+        gate_w_KN = tl.load(w_at_KN, mask=w_mask_KN, other=0.0)
+        if GATED:
+            up_w_KN = tl.load(w_at_KN + out_cols * w_out_stride, mask=w_mask_KN, other=0.0)
         if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-            if FUSE_SILU:
-                b_up = b_up.to(tl.float32)
-        if USE_FP8:
-            k_group = (k_step * BLOCK_SIZE_K) // group_k
-            a_s = tl.load(a_scale_ptrs + k_group * stride_ask, mask=row_ok, other=0.0)
-            b_s = tl.load(b_scale_ptrs + k_group * stride_bsk, mask=col_ok, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            if FUSE_SILU:
-                up_s = tl.load(up_scale_ptrs + k_group * stride_bsk, mask=col_ok, other=0.0)
-                acc_up += tl.dot(a, b_up) * a_s[:, None] * up_s[None, :]
+            x_MK = x_MK.to(tl.float32)
+            gate_w_KN = gate_w_KN.to(tl.float32)
+            if GATED:
+                up_w_KN = up_w_KN.to(tl.float32)
+        if FP8:
+            # BLOCK_K divides the scale group, so one activation scale and one weight scale cover this step.
+            group = k0 // ws_cols
+            x_s_M = tl.load(x_scale_ptr + x_row_M * xs_row_stride + group * xs_group_stride, mask=live_M, other=0.0)
+            gate_s_N = tl.load(ws_expert + (col_N // ws_rows) * ws_out_stride + group * ws_in_stride,
+                               mask=live_N, other=0.0)
+            gate_MN += x_s_M[:, None] * tl.dot(x_MK, gate_w_KN) * gate_s_N[None, :]
+            if GATED:
+                up_s_N = tl.load(ws_expert + ((col_N + out_cols) // ws_rows) * ws_out_stride + group * ws_in_stride,
+                                 mask=live_N, other=0.0)
+                up_MN += x_s_M[:, None] * tl.dot(x_MK, up_w_KN) * up_s_N[None, :]
         elif FP32_IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-            if FUSE_SILU:
-                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            gate_MN = tl.dot(x_MK, gate_w_KN, gate_MN, input_precision="ieee")
+            if GATED:
+                up_MN = tl.dot(x_MK, up_w_KN, up_MN, input_precision="ieee")
         else:
-            acc = tl.dot(a, b, acc)
-            if FUSE_SILU:
-                acc_up = tl.dot(a, b_up, acc_up)
-        a_ptrs += BLOCK_SIZE_K * stride_ak
-        b_ptrs += BLOCK_SIZE_K * stride_bk
+            gate_MN = tl.dot(x_MK, gate_w_KN, gate_MN)
+            if GATED:
+                up_MN = tl.dot(x_MK, up_w_KN, up_MN)
 
-    if FUSE_SILU:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if MUL_ROUTED_WEIGHT:
-        weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * weight[:, None]
-    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    out_MN = gate_MN * tl.sigmoid(gate_MN) * up_MN if GATED else gate_MN
+    if SCALE_BY_ROUTE:
+        out_MN = out_MN * tl.load(pair_weight_ptr + pair_M, mask=live_M, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pair_M[:, None] * out_row_stride + col_N[None, :] * out_col_stride,
+             out_MN.to(out_ptr.dtype.element_ty), mask=live_M[:, None] & live_N[None, :])
 
 
 @triton.jit
@@ -164,10 +159,10 @@ def moe_gemm(a, a_scale, w, w_scale, c, topk_weights_N, align, *, top_k, fuse_si
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
         block_shape[0], block_shape[1],
-        TOP_K=top_k, FUSE_SILU=fuse_silu, MUL_ROUTED_WEIGHT=mul_routed_weight, USE_FP8=fp8,
+        PAIRS_PER_ROW=top_k, GATED=fuse_silu, SCALE_BY_ROUTE=mul_routed_weight, FP8=fp8,
         UPCAST_DOT=_INTERPRETED and a.dtype == torch.bfloat16, FP32_IEEE=a.dtype == torch.float32,
-        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=config["BLOCK_SIZE_K"],
-        GROUP_SIZE_M=config["GROUP_SIZE_M"], num_warps=config["num_warps"], num_stages=config["num_stages"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_SIZE_K"], GROUP_M=config["GROUP_SIZE_M"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
 

@@ -31,35 +31,44 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [R/2] and the cos/sin magnitude, for default rope or YaRN."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    dim, theta = cfg.qk_rope_head_dim, cfg.rope_theta
+    native_R2 = theta ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # one frequency per rotated pair
     if cfg.rope_type == "default":
-        return 1.0 / pos_freqs, 1.0
-    rs = cfg.rope_scaling
-    factor = rs["factor"]
-    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
-    attention_factor = rs.get("attention_factor")
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(factor)
-    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
-    original_max = rs.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        return native_R2, 1.0
+    yarn = cfg.rope_scaling
+    stretch = yarn["factor"]
+    context = yarn.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    weight_R2 = _yarn_stretch_weight(dim, theta, context, yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1,
+                                     yarn.get("truncate", True))
+    # YaRN: fast pairs (many turns over the original context) keep their frequency, slow ones are slowed by the
+    # stretch factor, and the pairs between blend the two linearly in pair index.
+    inv_freq_R2 = native_R2 * (1 - weight_R2) + (native_R2 / stretch) * weight_R2
+    return inv_freq_R2, float(_yarn_attention_factor(yarn, stretch))
 
-    def correction_dim(num_rotations: float) -> float:
-        return dim * math.log(original_max / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rs.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
+def _yarn_stretch_weight(dim: int, theta: float, context: int, fast_turns: float, slow_turns: float,
+                         whole_pairs: bool) -> torch.Tensor:
+    """[R/2] share of the stretched frequency per pair: 0 up to the pair that turns `fast_turns` times over
+    `context` positions, 1 from the pair that turns `slow_turns` times, linear in between."""
+    def pair_turning(turns: float) -> float:  # pair index (fractional) whose wavelength fits `turns` times
+        return dim / 2 * math.log(context / (2 * math.pi * turns)) / math.log(theta)
+
+    first, last = pair_turning(fast_turns), pair_turning(slow_turns)
+    if whole_pairs:
+        first, last = math.floor(first), math.ceil(last)
+    first, last = max(first, 0), min(last, dim - 1)
+    width = last - first if last != first else 1e-3  # a step, not a division by zero
+    return ((torch.arange(dim // 2, dtype=torch.float32) - first) / width).clamp(0.0, 1.0)
+
+
+def _yarn_attention_factor(yarn: dict, stretch: float) -> float:
+    """The cos/sin magnitude: given, or DeepSeek's ratio of two mscales, or YaRN's own 0.1 ln(s) + 1."""
+    if yarn.get("attention_factor") is not None:
+        return yarn["attention_factor"]
+    mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        return yarn_mscale(stretch)
+    return yarn_mscale(stretch, mscale) / yarn_mscale(stretch, mscale_all_dim)
 
 
 class RotaryEmbedding(nn.Module):

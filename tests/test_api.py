@@ -74,7 +74,7 @@ def test_tokenize_detokenize_as_vllm(server, llm):
     status, body = server.post("/detokenize", {"tokens": tok.encode(PROMPTS[1], add_special_tokens=False)})
     assert status == 200 and body == {"prompt": PROMPTS[1]}
     for path, bad, param in (("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
-                             ("/tokenize", {"prompt": "x", "messages": messages}, "messages"),
+                             ("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
                              ("/tokenize", {"prompt": "x", "model": "nope"}, "model")):
         status, body = server.post(path, bad)
         assert status == 400 and body["error"]["param"] == param, (path, bad, body)

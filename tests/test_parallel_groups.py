@@ -102,7 +102,7 @@ def test_control_messages_and_rank_table(layout_results, layout):
     assert table[0].split() == ["rank", "host", "local_rank", "pp", "dp", "tp", "ep", "device"]
     rows = [line.split() for line in table[1:]]
     assert [[int(v) for v in (row[0], *row[3:7])] for row in rows] == [[r, *COORDS[layout][r]] for r in range(4)]
-    assert "[rank 0] INFO parallel.state: parallel layout" in results[0]["log"]
+    assert "[rank 0] INFO moe_serve.parallel.state: parallel layout" in results[0]["log"]
     assert "parallel layout" not in results[1]["log"]
 
 

@@ -3,6 +3,7 @@
  * router (sigmoid scores, bias-corrected group-limited top-k). At decode sizes each torch op costs
  * 5-15 us of dispatch for well under a microsecond of arithmetic.
  */
+#include <string.h>
 #include <math.h>
 
 #include "bf16w.h"
@@ -113,10 +114,14 @@ void route_noaux_tc_f32(const float *x, int64_t ldx, const float *gate, int64_t 
     }
 }
 
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch's .to(torch.bfloat16) */
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN stays NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+static inline uint16_t f32_to_bf16(float f) {  /* nearest, ties to even: what torch's .to(torch.bfloat16) gives */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint16_t upper = (uint16_t)(bits >> 16);
+    uint32_t dropped = bits & 0xffffu;
+    if ((upper & 0x7f80u) == 0x7f80u && (bits & 0x007fffffu)) return upper | 0x0040u;  /* a NaN stays a quiet NaN */
+    if (dropped > 0x8000u || (dropped == 0x8000u && (upper & 1u))) upper++;  /* a carry may reach the exponent */
+    return upper;
 }
 
 /* MLA's cache write: row t of kv [T, C + R] (row stride ldkv; kv_a_proj_with_mqa's output) becomes
