@@ -1,7 +1,7 @@
+"""`python -m moe_serve.server ...`: the `moe` command."""
+
 import sys
 from pathlib import Path
-
-from moe_serve.server.cli import main
 
 
 def _drop_checkout_from_path() -> None:
@@ -14,4 +14,6 @@ def _drop_checkout_from_path() -> None:
 
 if __name__ == "__main__":  # guarded: the spawned engine process re-imports the main module
     _drop_checkout_from_path()
+    from moe_serve.server.cli import main
+
     sys.exit(main())
