@@ -235,7 +235,6 @@ def make_checkpoint(out_dir, preset: str = "v3", *, dtype: str | None = None, se
     The same (preset, seed, overrides) gives the same main weights whatever fp8/mtp/num_shards are.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or PRESETS.get(preset, {}).get("torch_dtype", "float32")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype {dtype!r} not supported; use 'float32' or 'bfloat16'")
@@ -251,13 +250,24 @@ def make_checkpoint(out_dir, preset: str = "v3", *, dtype: str | None = None, se
             lm_head[tid] *= 0.01
     if mtp:
         sd.update(_mtp_tensors(model, sd, seed))
+    return write_checkpoint(out, config, sd, tok, dtype, fp8=fp8, num_shards=num_shards,
+                            explicit={**PRESETS[preset], **(overrides or {})})
+
+
+def write_checkpoint(out_dir, config: PretrainedConfig, sd: dict[str, torch.Tensor], tok, dtype: str, *,
+                     fp8: bool = False, num_shards: int = 1, explicit: dict | None = None) -> Path:
+    """Write `sd` (DeepSeek's key layout, see `shipped_layout`) as a Hugging Face checkpoint in DeepSeek's own
+    format: safetensors shards with an index, config.json as DeepSeek ships it (every key in `explicit`
+    written even where it equals the default), generation_config.json and the tokenizer files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     tensors = _to_storage(sd, getattr(torch, dtype), fp8)
     for stale in out.glob("model*.safetensors*"):  # shards of an earlier call would confuse loaders
         stale.unlink()
     files = _write_shards(tensors, out, num_shards)
 
     cfg = config.to_diff_dict()
-    explicit = {**PRESETS[preset], **(overrides or {})}
+    explicit = explicit or {}
     cfg.update({k: getattr(config, k) for k in explicit if k not in ROPE_KEYS + ("torch_dtype",)})  # even default
     cfg.update(_shipped_rope(config, explicit))
     for derived in ("head_dim", "qk_head_dim", "rope_parameters"):  # transformers adds these; DeepSeek's configs don't have them

@@ -66,17 +66,17 @@ Keep each file small, put shapes in names, and make errors say what was wrong an
 """
 
 
-def _train_backend() -> Tokenizer:
+def _train_backend(lines, vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
@@ -84,10 +84,11 @@ def _train_backend() -> Tokenizer:
     return tok
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Train the tiny tokenizer (deterministic, ~0.1 s) and wrap it for transformers."""
+def train_tokenizer(lines, vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `lines` (an iterable of strings), with this module's special tokens
+    and chat template, wrapped for transformers. Deterministic for the same lines."""
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=_train_backend(),
+        tokenizer_object=_train_backend(lines, vocab_size),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
@@ -98,3 +99,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Train the tiny tokenizer (deterministic, ~0.1 s) and wrap it for transformers."""
+    return train_tokenizer(CORPUS.splitlines(keepends=True), VOCAB_SIZE)
