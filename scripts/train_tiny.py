@@ -27,7 +27,6 @@ import json
 import math
 import os
 import platform
-import random
 import sys
 import time
 from pathlib import Path

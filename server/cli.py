@@ -74,7 +74,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from moe_serve.moe.config import ModelConfig
-    from moe_serve.server.config import EngineConfig
+    from moe_serve.server.core.config import EngineConfig
 
     eplb = json.loads(args.eplb_config) if args.eplb_config else {}
     if not isinstance(eplb, dict):
@@ -98,13 +98,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          f"-tp {args.tensor_parallel_size} needs that many ranks; launch with "
                          f"torchrun --nproc-per-node N -m moe_serve.server serve ... (now {world})")
     if world > 1 and int(os.environ["RANK"]) != 0:
-        from moe_serve.server.engine_loop import run_follower
+        from moe_serve.server.frontend.engine_loop import run_follower
 
         _setup_logging(args.verbose)
         run_follower(kwargs)  # rank 0 runs the front end; its engine process is rank 0 of the job
         return 0
 
-    from moe_serve.server.api import ServerArgs, run_server
+    from moe_serve.server.frontend.api import ServerArgs, run_server
 
     level = logging.INFO if args.verbose else logging.WARNING
     print(f"moe serve: {args.model} on http://{args.host}:{args.port} (GET /ready answers 200 once warmed up)",
@@ -142,7 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from moe_serve.server.report import main as report_main
+    from moe_serve.server.tools.report import main as report_main
 
     return report_main(args)
 
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     bench_p = sub.add_parser("bench", help="benchmarks; `moe bench serve`: goodput, TTFT and TPOT against a server")
     bench_sub = bench_p.add_subparsers(dest="bench_command", required=True)
-    from moe_serve.server import bench  # stdlib-only at import
+    from moe_serve.server.tools import bench  # stdlib-only at import
 
     bs = bench_sub.add_parser("serve", help="open-loop Poisson replay against an OpenAI-compatible server on this host",
                               description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -253,7 +253,7 @@ def test_metrics_move_as_requests_complete(server, client):
 def test_startup_phases_exported_once_ready(server):
     """/ready has answered (the fixture waits for it): every start-up phase is a metric, none longer than the
     whole span from the front end's process start, and the loading phases took some time."""
-    from moe_serve.server.startup import __doc__ as phases_doc
+    from moe_serve.server.core.startup import __doc__ as phases_doc
 
     got = {s.labels["phase"]: s.value for s in _metrics(server)["moe_startup_seconds"].samples}
     documented = {line.split()[0] for line in phases_doc.split("Phases")[1].splitlines()[1:] if line.startswith("  ")}

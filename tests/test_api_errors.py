@@ -156,9 +156,9 @@ def test_disconnected_non_streaming_request_is_aborted(server):
 
 def test_engine_loop_survives_bad_request(checkpoint):
     """Requests the engine rejects get an error message each; the loop goes on with the good one."""
-    from moe_serve.server.config import EngineConfig
-    from moe_serve.server.engine import LLMEngine
-    from moe_serve.server.engine_loop import EngineLoop, pack, unpack
+    from moe_serve.server.core.config import EngineConfig
+    from moe_serve.server.core.engine import LLMEngine
+    from moe_serve.server.frontend.engine_loop import EngineLoop, pack, unpack
 
     engine = LLMEngine(EngineConfig(model=checkpoint("v3"), dtype="float32", max_model_len=64))
     ctx = zmq.Context()

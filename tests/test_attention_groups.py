@@ -8,7 +8,7 @@ import torch
 from moe_serve.moe.attention import AttentionMetadata, MLAttention
 from moe_serve.moe.config import ModelConfig
 from moe_serve.moe.layers import RotaryEmbedding
-from moe_serve.server.runner import decode_group_bounds
+from moe_serve.server.core.runner import decode_group_bounds
 
 
 def test_group_bounds_cover_rows_once():

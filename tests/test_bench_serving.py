@@ -1,4 +1,4 @@
-"""Serving benchmark (`server/bench.py`): arrival schedule, statistics, request sets, result JSON, and one
+"""Serving benchmark (`server/tools/bench.py`): arrival schedule, statistics, request sets, result JSON, and one
 end-to-end run against a fake OpenAI-compatible SSE server started in-process on 127.0.0.1."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moe_serve.server import bench
-from moe_serve.server.bench import BenchRequest, RequestResult
+from moe_serve.server.tools import bench
+from moe_serve.server.tools.bench import BenchRequest, RequestResult
 
 
 # ---- arrivals ----------------------------------------------------------------------------------------

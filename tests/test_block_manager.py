@@ -2,9 +2,9 @@ import random
 import subprocess
 import sys
 
-from moe_serve.server.block_manager import BlockManager, hash_block
-from moe_serve.server.request import Request
-from moe_serve.server.sampling_params import SamplingParams
+from moe_serve.server.core.block_manager import BlockManager, hash_block
+from moe_serve.server.core.request import Request
+from moe_serve.server.core.sampling_params import SamplingParams
 
 
 def req(rid, tokens):
@@ -75,7 +75,7 @@ def test_chained_hashes_same_content_after_other_prefix_misses():
 
 
 def test_hash_is_deterministic_across_processes():
-    code = "from moe_serve.server.block_manager import hash_block; print(hash_block(hash_block(None, [1, 2]), [3]).hex())"
+    code = "from moe_serve.server.core.block_manager import hash_block; print(hash_block(hash_block(None, [1, 2]), [3]).hex())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == hash_block(hash_block(None, [1, 2]), [3]).hex()
 

@@ -1,4 +1,4 @@
-"""bf16 on a CPU without bf16 arithmetic computes in float32 on bf16-rounded weights (server/runner.py)."""
+"""bf16 on a CPU without bf16 arithmetic computes in float32 on bf16-rounded weights (server/core/runner.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from moe_serve.kernels import cpu_build, cpu_decode_layer, cpu_mla, cpu_moe
 from moe_serve.kernels.cpu_linear import bf16_supported
 from moe_serve.moe.tiny import make_checkpoint
 from moe_serve.server import LLM, SamplingParams
-from moe_serve.server.runner import compute_dtype
+from moe_serve.server.core.runner import compute_dtype
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5"]
 
@@ -38,7 +38,7 @@ def test_bf16_without_bf16_arithmetic(tmp_path, monkeypatch, caplog):
     bf16, the others in float32 with bf16 values, a bf16 KV cache. On a bf16 checkpoint the weights are
     those of the float32 engine (but the router bias), so the rounding of the cache and that bias (and the
     kernels' summation order) separate the two: same greedy tokens, logprobs within bf16 rounding."""
-    from moe_serve.server import runner as server_runner
+    from moe_serve.server.core import runner as server_runner
     caplog.set_level("INFO")
     monkeypatch.setattr(server_runner, "bf16_supported", lambda: False)
     ckpt = make_checkpoint(tmp_path / "bf16", "v3", dtype="bfloat16")
@@ -80,7 +80,7 @@ def test_bf16_without_bf16_arithmetic(tmp_path, monkeypatch, caplog):
 
 def test_fp32_checkpoint_rounded_to_bf16(checkpoint, monkeypatch):
     """--dtype bfloat16 on a float32 checkpoint holds the bf16 values of its weights, not the float32 ones."""
-    from moe_serve.server import runner as server_runner
+    from moe_serve.server.core import runner as server_runner
     monkeypatch.setattr(server_runner, "bf16_supported", lambda: False)
     ckpt = checkpoint("v3")
     weights = [p.float() for p in LLM(ckpt, dtype="bfloat16").engine.runner.model.parameters() if p.numel() > 1]

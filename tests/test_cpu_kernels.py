@@ -230,7 +230,7 @@ def test_mla_cache_write_equals_reference(interleaved):
 def test_decode_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch, preset, overrides, fused_layers):
     """All-decode steps run each layer in one C call (kernels/cpu_decode_layer.py) where it can: the same
     greedy tokens, logprobs and recorded expert load as the model's layer-by-layer kernel calls."""
-    from moe_serve.server import runner as server_runner
+    from moe_serve.server.core import runner as server_runner
     from moe_serve.kernels.cpu_decode_layer import DecodeLayerKernel
     from moe_serve.moe.tiny import make_checkpoint
     from moe_serve.server import LLM, SamplingParams

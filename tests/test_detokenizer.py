@@ -5,7 +5,7 @@ character split over several byte-level tokens comes out whole (never as U+FFFD)
 import pytest
 
 from moe_serve.moe.tiny_tokenizer import build_tokenizer
-from moe_serve.server.detokenizer import IncrementalDetokenizer
+from moe_serve.server.frontend.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello, world!", "héllo wörld: 日本語のテキスト and emoji 🙂🙃 done", " leading space and\nnew lines\n"]
 

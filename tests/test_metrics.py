@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe_serve.server.engine_client import Sink
-from moe_serve.server.metrics import Metrics
+from moe_serve.server.frontend.engine_client import Sink
+from moe_serve.server.frontend.metrics import Metrics
 
 # family names as the parser reports them (counters without `_total`)
 ALL_METRICS = [

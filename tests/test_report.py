@@ -9,7 +9,7 @@ import torch
 
 from moe_serve.balancer.stats import ExpertLoadRecorder
 from moe_serve.server.cli import main
-from moe_serve.server.report import analyse, replicate_hottest
+from moe_serve.server.tools.report import analyse, replicate_hottest
 
 
 def skewed_dump(ep_size: int = 1) -> dict:

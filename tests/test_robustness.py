@@ -10,7 +10,7 @@ import time
 import pytest
 from api_server import httpx, running_server
 
-import moe_serve.server.sampler as sampler_mod
+import moe_serve.server.core.sampler as sampler_mod
 from moe_serve.server import LLM, SamplingParams
 
 
@@ -82,7 +82,7 @@ def test_failure_after_sampling_fails_one_request(checkpoint, monkeypatch):
 FAIL_SEED = 424242
 SITECUSTOMIZE = f"""
 # test-only: makes the sampler fail for requests with seed {FAIL_SEED} (loaded in the front end and engine)
-import moe_serve.server.sampler as _s
+import moe_serve.server.core.sampler as _s
 _real = _s._choose
 def _choose(row_V, req, generator):
     if req.sampling_params.seed == {FAIL_SEED}:

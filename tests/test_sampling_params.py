@@ -1,7 +1,7 @@
 import pytest
 
-from moe_serve.server.request import Request, RequestStatus
-from moe_serve.server.sampling_params import SamplingParams
+from moe_serve.server.core.request import Request, RequestStatus
+from moe_serve.server.core.sampling_params import SamplingParams
 
 
 def test_defaults_and_normalisation():

@@ -2,10 +2,10 @@ import random
 
 import pytest
 
-from moe_serve.server.block_manager import BlockManager
-from moe_serve.server.request import Request, RequestStatus
-from moe_serve.server.sampling_params import SamplingParams
-from moe_serve.server.scheduler import Scheduler, SchedulerConfig
+from moe_serve.server.core.block_manager import BlockManager
+from moe_serve.server.core.request import Request, RequestStatus
+from moe_serve.server.core.sampling_params import SamplingParams
+from moe_serve.server.core.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=64, block_size=4, **config):

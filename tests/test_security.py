@@ -39,7 +39,7 @@ def test_no_pickle_or_eval_in_the_packages():
 
 def test_wire_formats_are_msgpack():
     from moe_serve.parallel import comm
-    from moe_serve.server import engine_loop
+    from moe_serve.server.frontend import engine_loop
 
     msg = {"type": "add", "request_id": "x", "prompt_token_ids": [1, 2], "params": {"n": 1}}
     assert engine_loop.unpack(engine_loop.pack(msg)) == msg
@@ -47,8 +47,8 @@ def test_wire_formats_are_msgpack():
 
 
 def test_zmq_sockets_in_a_private_directory(monkeypatch):
-    from moe_serve.server import engine_client
-    from moe_serve.server.metrics import Metrics
+    from moe_serve.server.frontend import engine_client
+    from moe_serve.server.frontend.metrics import Metrics
 
     class NoProcess:
         def __init__(self, *a, **kw):
@@ -79,7 +79,7 @@ def test_zmq_sockets_in_a_private_directory(monkeypatch):
 
 
 def test_api_key_compared_in_constant_time(monkeypatch):
-    from moe_serve.server import api
+    from moe_serve.server.frontend import api
 
     calls = []
     real = api.hmac.compare_digest

@@ -21,7 +21,7 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from moe_serve.server.request import Request
+from moe_serve.server.core.request import Request
 
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:

@@ -1,7 +1,7 @@
 """The front end's side of the engine process: spawns it, sends it messages, routes what comes back.
 
 Sockets live in a private temporary directory (mode 0700): `input` (front end PUSH -> engine PULL) and
-`output` (engine PUSH -> front end PULL); message types are listed in server/engine_loop.py. Each request
+`output` (engine PUSH -> front end PULL); message types are listed in server/frontend/engine_loop.py. Each request
 registers a `Sink` (an asyncio queue shared by the sub-requests of one API call); `call()` sends a
 command and awaits its reply. Any message from the engine counts as a heartbeat; `alive` is false once
 the process has exited or has been silent for `heartbeat_timeout_s`.
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from moe_serve.server.engine_loop import pack, run_engine_process, unpack
-from moe_serve.server.metrics import Metrics
-from moe_serve.server.sampling_params import SamplingParams
+from moe_serve.server.frontend.engine_loop import pack, run_engine_process, unpack
+from moe_serve.server.frontend.metrics import Metrics
+from moe_serve.server.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

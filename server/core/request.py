@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import time
 
-from moe_serve.server.sampling_params import SamplingParams
+from moe_serve.server.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from moe_serve.server.sampling_params import SamplingParams
+from moe_serve.server.core.sampling_params import SamplingParams
 
 Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
 

@@ -21,9 +21,9 @@ from moe_serve.moe.model import DeepseekForCausalLM
 from moe_serve.parallel import comm
 from moe_serve.parallel.pipeline import split_micro_batches, stage_layer_range
 from moe_serve.parallel.state import ParallelState
-from moe_serve.server.sampler import SampleResult, sample
-from moe_serve.server.scheduler import ScheduledRequest, SchedulerOutput
-from moe_serve.server.startup import PhaseTimer
+from moe_serve.server.core.sampler import SampleResult, sample
+from moe_serve.server.core.scheduler import ScheduledRequest, SchedulerOutput
+from moe_serve.server.core.startup import PhaseTimer
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_serve.server.config import EngineConfig
-from moe_serve.server.engine import LLMEngine
+from moe_serve.server.core.config import EngineConfig
+from moe_serve.server.core.engine import LLMEngine
 from moe_serve.parallel import comm
-from moe_serve.server.outputs import CompletionOutput, RequestOutput
-from moe_serve.server.sampling_params import SamplingParams
+from moe_serve.server.frontend.outputs import CompletionOutput, RequestOutput
+from moe_serve.server.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

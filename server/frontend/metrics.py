@@ -43,7 +43,7 @@ class Metrics:
         self.e2e = Histogram("moe_e2e_request_latency_seconds", "Time from arrival to finish (or abort).",
                              buckets=_E2E_BUCKETS, registry=r)
         self.startup = Gauge("moe_startup_seconds", "Seconds per start-up phase, from process start to /ready "
-                             "(phases in server/startup.py; total is the whole span).", ["phase"], registry=r)
+                             "(phases in server/core/startup.py; total is the whole span).", ["phase"], registry=r)
         self.engine = EngineStatsCollector()
         r.register(self.engine)
         r.register(GpuCollector())

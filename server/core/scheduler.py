@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from moe_serve.server.block_manager import BlockManager
-from moe_serve.server.request import Request, RequestStatus
+from moe_serve.server.core.block_manager import BlockManager
+from moe_serve.server.core.request import Request, RequestStatus
 
 
 @dataclass

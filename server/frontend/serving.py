@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moe_serve.server.detokenizer import IncrementalDetokenizer
-from moe_serve.server.engine_client import EngineClient, Sink
-from moe_serve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+from moe_serve.server.frontend.detokenizer import IncrementalDetokenizer
+from moe_serve.server.frontend.engine_client import EngineClient, Sink
+from moe_serve.server.frontend.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, error_body)
-from moe_serve.server.sampling_params import SamplingParams
+from moe_serve.server.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP front end: FastAPI + uvicorn in this process, the engine in another.
 
 `moe serve MODEL` builds the app with `build_app(ServerArgs(...))` and runs it with uvicorn. At start-up
-the lifespan spawns the engine process (server/engine_client.py), waits for it to load the model, then
+the lifespan spawns the engine process (server/frontend/engine_client.py), waits for it to load the model, then
 warms it up with one tiny generation in the background; /ready answers 200 once that is done.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/expert_load, /health, /ready, /version,
 /metrics, and SGLang's /start_expert_distribution_record, /stop_expert_distribution_record,
-/dump_expert_distribution_record. Every error is an OpenAI error body (server/protocol.py); request
+/dump_expert_distribution_record. Every error is an OpenAI error body (server/frontend/protocol.py); request
 validation errors are 400 (not FastAPI's 422). With an API key, /v1/* and the record routes need
 `Authorization: Bearer KEY`.
 """
@@ -27,13 +27,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_serve.server.engine_client import EngineClient, Sink
-from moe_serve.server.metrics import Metrics
-from moe_serve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from moe_serve.server.frontend.engine_client import EngineClient, Sink
+from moe_serve.server.frontend.metrics import Metrics
+from moe_serve.server.frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, error_body)
-from moe_serve.server.sampling_params import SamplingParams
-from moe_serve.server.serving import OpenAIServing
-from moe_serve.server.startup import since_process_start, summary
+from moe_serve.server.core.sampling_params import SamplingParams
+from moe_serve.server.frontend.serving import OpenAIServing
+from moe_serve.server.core.startup import since_process_start, summary
 
 log = logging.getLogger(__name__)
 

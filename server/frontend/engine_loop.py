@@ -55,9 +55,9 @@ def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, l
     push.connect(output_addr)
     push.setsockopt(zmq.LINGER, 1000)
     try:
-        from moe_serve.server.config import EngineConfig
-        from moe_serve.server.engine import LLMEngine
-        from moe_serve.server.startup import since_process_start
+        from moe_serve.server.core.config import EngineConfig
+        from moe_serve.server.core.engine import LLMEngine
+        from moe_serve.server.core.startup import since_process_start
 
         engine_import_s = since_process_start()
         engine = LLMEngine(EngineConfig(**engine_kwargs))
@@ -82,8 +82,8 @@ def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, l
 
 def run_follower(engine_kwargs: dict) -> None:
     """Ranks other than 0 under torchrun: the same engine loop, fed by rank 0's broadcasts."""
-    from moe_serve.server.config import EngineConfig
-    from moe_serve.server.engine import LLMEngine
+    from moe_serve.server.core.config import EngineConfig
+    from moe_serve.server.core.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(**engine_kwargs))
     EngineLoop(engine, engine.expert_load_recorder, None, None).run()
@@ -187,7 +187,7 @@ class EngineLoop:
         return True
 
     def add(self, msg: dict) -> None:
-        from moe_serve.server.sampling_params import SamplingParams
+        from moe_serve.server.core.sampling_params import SamplingParams
 
         rid = msg.get("request_id")
         try:

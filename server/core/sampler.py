@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.server.request import Request
+from moe_serve.server.core.request import Request
 
 
 @dataclass

@@ -23,15 +23,15 @@ from moe_serve.moe.config import ModelConfig
 from moe_serve.parallel import comm
 from moe_serve.parallel.pipeline import stage_layer_range
 from moe_serve.parallel.state import init_parallel, log_rank_table
-from moe_serve.server.block_manager import BlockManager
-from moe_serve.server.config import EngineConfig
-from moe_serve.server.outputs import CompletionOutput, RequestOutput
-from moe_serve.server.request import Request, RequestStatus
-from moe_serve.server.runner import ModelRunner
-from moe_serve.server.sampler import SampleResult
-from moe_serve.server.sampling_params import SamplingParams
-from moe_serve.server.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from moe_serve.server.startup import PhaseTimer
+from moe_serve.server.core.block_manager import BlockManager
+from moe_serve.server.core.config import EngineConfig
+from moe_serve.server.frontend.outputs import CompletionOutput, RequestOutput
+from moe_serve.server.core.request import Request, RequestStatus
+from moe_serve.server.core.runner import ModelRunner
+from moe_serve.server.core.sampler import SampleResult
+from moe_serve.server.core.sampling_params import SamplingParams
+from moe_serve.server.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from moe_serve.server.core.startup import PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class LLMEngine:
         num_slots = (mc.n_routed_experts or 0) + eplb.num_redundant_experts
         pcfg.validate_against(num_slots or pcfg.ep_size, mc.num_attention_heads, mc.num_hidden_layers,
                               mc.vocab_size)  # before any weight loads
-        timer = PhaseTimer()  # seconds per start-up phase (server/startup.py), reported once the server is ready
+        timer = PhaseTimer()  # seconds per start-up phase (server/core/startup.py), reported once the server is ready
         with timer.phase("parallel_init"):
             self.parallel = init_parallel(pcfg, device=None if config.device == "auto" else config.device)
             log_rank_table(self.parallel)
