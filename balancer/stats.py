@@ -108,6 +108,10 @@ class ExpertLoadRecorder:
         self.phy2log_LR = phy2log_LR
 
     # ---- hot path (inside the forward pass) --------------------------------------------------------
+    def layer_sink(self, layer: int) -> "LayerLoadSink":
+        """What MoE layer `layer` (0-based among the recorded layers) calls with its routing every forward."""
+        return LayerLoadSink(self, layer)
+
     def record(self, layer: int, topk_ids_TK: torch.Tensor, phy_ids_TK: torch.Tensor | None = None) -> None:
         ids = topk_ids_TK.reshape(-1).long()
         if self._ones.numel() < ids.numel():  # the values to add, one per id: kept between calls
@@ -197,3 +201,13 @@ class ExpertLoadRecorder:
             "balancedness_mean": float(bal_L.mean()),
             "balancedness_min": float(bal_L.min()),
         }
+
+
+class LayerLoadSink:
+    """One MoE layer's view of an ExpertLoadRecorder: `sink(topk_ids_TK, phy_ids_TK)` counts that layer's routing."""
+
+    def __init__(self, recorder: ExpertLoadRecorder, layer: int):
+        self.recorder, self.layer = recorder, layer
+
+    def __call__(self, topk_ids_TK: torch.Tensor, phy_ids_TK: torch.Tensor | None = None) -> None:
+        self.recorder.record(self.layer, topk_ids_TK, phy_ids_TK)

@@ -1,4 +1,4 @@
-"""Time of one engine step: `LLMEngine.step()` medians over decode steps with N requests running. Not a test.
+"""Time of one engine step: `EngineCore.step()` medians over decode steps with N requests running. Not a test.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 1 12 64
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 4 --kernels   # time per C kernel

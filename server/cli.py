@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = Path(".cache/tiny-v3")
+# The embedded default: the small trained model shipped in a checkout (models/tiny-fortunes), else a random
+# tiny checkpoint made on first use.
+_SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-fortunes"
+DEFAULT_MODEL = _SHIPPED if (_SHIPPED / "config.json").exists() else Path(".cache/tiny-v3")
 DEFAULT_PROMPTS = [
     "The expert router sends each token to",
     "Once upon a time",

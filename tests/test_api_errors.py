@@ -157,10 +157,10 @@ def test_disconnected_non_streaming_request_is_aborted(server):
 def test_engine_loop_survives_bad_request(checkpoint):
     """Requests the engine rejects get an error message each; the loop goes on with the good one."""
     from moe_serve.server.core.config import EngineConfig
-    from moe_serve.server.core.engine import LLMEngine
+    from moe_serve.server.core.engine import EngineCore
     from moe_serve.server.frontend.engine_loop import EngineLoop, pack, unpack
 
-    engine = LLMEngine(EngineConfig(model=checkpoint("v3"), dtype="float32", max_model_len=64))
+    engine = EngineCore(EngineConfig(model=checkpoint("v3"), dtype="float32", max_model_len=64))
     ctx = zmq.Context()
     to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     engine_out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)

@@ -25,6 +25,18 @@ def _fail_for(monkeypatch, bad_ids: set[str]) -> None:
     monkeypatch.setattr(sampler_mod, "_choose", choose)
 
 
+def run_to_end(engine) -> tuple[dict, dict]:
+    """Step the engine core until idle: (token ids per request, gathered from the deltas; last output of each)."""
+    tokens, last = {}, {}
+    for _ in range(100):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            last[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    return tokens, last
+
+
 def test_sampling_failure_fails_one_request(checkpoint, monkeypatch):
     llm = LLM(checkpoint("v3"), dtype="float32")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -36,18 +48,12 @@ def test_sampling_failure_fails_one_request(checkpoint, monkeypatch):
     _fail_for(monkeypatch, {"bad"})
     for rid, ids in zip(["a", "bad", "b"], prompts):
         engine.add_request(ids, params, request_id=rid)
-    finished = {}
-    for _ in range(100):
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            break
-    assert set(finished) == {"a", "bad", "b"}
+    tokens, finished = run_to_end(engine)
+    assert set(finished) == {"a", "bad", "b"} and all(out.finished for out in finished.values())
     assert "injected sampling failure for bad" in finished["bad"].error
-    assert finished["bad"].outputs[0].finish_reason == "abort"
-    assert finished["a"].error is None and finished["a"].outputs[0].token_ids == expected[0]
-    assert finished["b"].error is None and finished["b"].outputs[0].token_ids == expected[2]
+    assert finished["bad"].finish_reason == "abort"
+    assert finished["a"].error is None and tokens["a"] == expected[0]
+    assert finished["b"].error is None and tokens["b"] == expected[2]
     assert engine.block_manager.usage == idle  # the failed request's blocks are freed
     assert not engine.requests and not engine.scheduler.has_unfinished()
 
@@ -68,13 +74,9 @@ def test_failure_after_sampling_fails_one_request(checkpoint, monkeypatch):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request([1, 2, 3], params, request_id="bad")
     engine.add_request([4, 5, 6], params, request_id="good")
-    finished = {}
-    for _ in range(100):
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-        if not engine.has_unfinished_requests():
-            break
+    tokens, finished = run_to_end(engine)
     assert finished["bad"].error == "ValueError: injected stop-check failure"
-    assert finished["good"].error is None and len(finished["good"].outputs[0].token_ids) == 4
+    assert finished["good"].error is None and finished["good"].finished and len(tokens["good"]) == 4
     assert engine.block_manager.usage == idle and not engine.requests
 
 

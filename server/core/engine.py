@@ -1,13 +1,15 @@
-"""The engine: one step is schedule -> run -> update.
+"""The engine core: one step is schedule -> run -> update, on token ids only.
 
-`LLMEngine.step()` asks the scheduler what to compute, has the runner compute it and sample, then
-records the new tokens, applies stop conditions, frees what finished and reports outputs.
+`EngineCore.step()` asks the scheduler what to compute, has the runner compute it and sample, then
+records the new tokens, applies the token-level stop conditions (EOS, stop token ids, max_tokens,
+max_model_len), frees what finished and reports, per request, only what is new (`EngineOutput`). Text,
+stop strings and detokenization are the front end's (server/frontend/output_processor.py), which aborts
+a request here when one of its stop strings matches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -25,7 +27,7 @@ from moe_serve.parallel.pipeline import stage_layer_range
 from moe_serve.parallel.state import init_parallel, log_rank_table
 from moe_serve.server.core.block_manager import BlockManager
 from moe_serve.server.core.config import EngineConfig
-from moe_serve.server.frontend.outputs import CompletionOutput, RequestOutput
+from moe_serve.server.core.outputs import EngineOutput
 from moe_serve.server.core.request import Request, RequestStatus
 from moe_serve.server.core.runner import ModelRunner
 from moe_serve.server.core.sampler import SampleResult
@@ -36,7 +38,7 @@ from moe_serve.server.core.startup import PhaseTimer
 log = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class EngineCore:
     def __init__(self, config: EngineConfig):
         t_start = time.perf_counter()
         self.config = config
@@ -46,8 +48,9 @@ class LLMEngine:
         # a sequence can never outgrow the KV cache, so it caps the model length too
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size)
         self.dtype = config.torch_dtype(mc.torch_dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id
+        # token ids only: the tokenizer is the front end's, read here just for a config without an EOS id
+        self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else \
+            AutoTokenizer.from_pretrained(config.model).eos_token_id
         pcfg, eplb = config.parallel_config(), config.eplb_config()
         num_slots = (mc.n_routed_experts or 0) + eplb.num_redundant_experts
         pcfg.validate_against(num_slots or pcfg.ep_size, mc.num_attention_heads, mc.num_hidden_layers,
@@ -62,7 +65,7 @@ class LLMEngine:
                  timer.seconds["weight_load"] + timer.seconds["kv_cache"])
         self.expert_load_recorder = None
         self.rebalancer = None
-        blocks = self.runner.model.moe_blocks()
+        blocks = self.runner.moe_layers()
         if blocks:  # recording is on by default: one scatter-add per MoE layer, no host sync
             self.enable_expert_load_recording(eplb.window)
             self.rebalancer = Rebalancer(eplb, blocks, self.expert_load_recorder,
@@ -95,8 +98,7 @@ class LLMEngine:
                                  config.expert_placement)
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None) -> str:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
@@ -111,8 +113,6 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id)
-        req.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req.prompt, req.text = prompt, ""
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return request_id
@@ -132,7 +132,7 @@ class LLMEngine:
         return bool(comm.all_reduce(flag, self.parallel.cpu, op=torch.distributed.ReduceOp.MAX).item())
 
     # ---- the step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """One step: schedule -> run -> update. Returns an output for every request that got a token."""
         sched = self.scheduler.schedule()
         if sched.is_empty and self.parallel.world.size == 1:
@@ -144,7 +144,7 @@ class LLMEngine:
             self.rebalancer.after_step()  # placement changes only here, between steps
         return outputs
 
-    def _update(self, sched: SchedulerOutput, sampled: dict[str, SampleResult]) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, sampled: dict[str, SampleResult]) -> list[EngineOutput]:
         """Record the new tokens and apply stop conditions. A request whose sampling or bookkeeping
         raises fails alone (finished as aborted, its output carries the `error`); the others go on."""
         self.scheduler.update_from_output(sched, {rid: r.token_id for rid, r in sampled.items() if r.error is None})
@@ -154,42 +154,36 @@ class LLMEngine:
             try:
                 if result.error is not None:
                     raise RuntimeError(result.error)
-                status = self._record(req, result)
+                self.num_generated_tokens += 1
+                out = EngineOutput(rid, [result.token_id], self._logprobs(req, result),
+                                   num_cached_tokens=req.num_cached_tokens)
+                status = self._check_stop(req, result.token_id)
                 if status is not None:
                     self.scheduler.finish_request(req, status)
                     del self.requests[rid]
-                outputs.append(self._make_output(req, finished=status is not None))
+                    out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+                outputs.append(out)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 log.error("request %s failed: %s", rid, exc)
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)  # (no-op if it had finished)
                 self.requests.pop(rid, None)
-                out = self._make_output(req, finished=True, text="")
-                out.error = str(exc) if result.error is not None else f"{type(exc).__name__}: {exc}"
-                outputs.append(out)
+                error = str(exc) if result.error is not None else f"{type(exc).__name__}: {exc}"
+                outputs.append(EngineOutput(rid, [], None, "abort", None, req.num_cached_tokens, error))
         return outputs
 
-    def _record(self, req: Request, result: SampleResult) -> RequestStatus | None:
-        """Count one sampled token (already appended), keep its logprobs; the finished status or None."""
-        self.num_generated_tokens += 1
-        if req.sampling_params.logprobs is not None:
-            top = dict(result.top_logprobs or {})
-            top[result.token_id] = result.logprob
-            req.output_logprobs.append(top)
-        req.cumulative_logprob = getattr(req, "cumulative_logprob", 0.0) + result.logprob
-        return self._check_stop(req, result.token_id)
+    @staticmethod
+    def _logprobs(req: Request, result: SampleResult) -> list[dict[int, float]] | None:
+        """The new token's {id: logprob} (its top alternatives and itself), when the request asked for them."""
+        if req.sampling_params.logprobs is None:
+            return None
+        top = dict(result.top_logprobs or {})
+        top[result.token_id] = result.logprob
+        return [top]
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        """Token-level stop conditions after `token_id` was appended (stop strings are the front end's)."""
         p = req.sampling_params
         n_out = req.num_output_tokens
-        if p.stop:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            for stop in p.stop:
-                at = text.find(stop, max(0, len(req.text) - len(stop)))
-                if at != -1:
-                    req.text = text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
-                    req.stop_reason = stop
-                    return RequestStatus.FINISHED_STOPPED
-            req.text = text
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token_id == req.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED
@@ -201,28 +195,9 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, req: Request, finished: bool, text: str | None = None) -> RequestOutput:
-        """Cumulative output of a request; its text is decoded only once it has finished."""
-        p = req.sampling_params
-        token_ids = list(req.output_token_ids)
-        if text is None and not finished:
-            text = ""
-        elif text is None:
-            text = req.text if isinstance(req.stop_reason, str) else self.tokenizer.decode(token_ids,
-                                                                                          skip_special_tokens=True)
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids,
-            cumulative_logprob=getattr(req, "cumulative_logprob", None) if p.logprobs is not None else None,
-            logprobs=list(req.output_logprobs) if p.logprobs is not None else None,
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished,
-                             req.num_cached_tokens)
-
     def comm_stats(self) -> dict:
         """What this rank's MoE dispatch and combine sent so far (all layers), and in the last step."""
-        total = DispatchStats()
-        for layer in self.runner.model.model.layers:
-            total = total + getattr(getattr(layer, "mlp", None), "comm_stats", DispatchStats())
+        total = sum((block.comm_stats for block in self.runner.moe_layers().values()), DispatchStats())
         return {f"dispatch_{k}": v for k, v in dataclasses.asdict(total).items()}
 
     def stats(self) -> dict:
@@ -246,13 +221,13 @@ class LLMEngine:
         The engine closes each step with `recorder.end_step()`."""
         recorder = self.expert_load_recorder
         if recorder is None:
-            blocks = self.runner.model.moe_blocks()
+            blocks = self.runner.moe_layers()
             layer_ids = sorted(blocks)
             phy2log_LR = torch.tensor([blocks[i].phy2log_R for i in layer_ids])
             recorder = ExpertLoadRecorder(len(layer_ids), self.model_config.n_routed_experts, window_steps=window_steps,
                                           layer_ids=layer_ids, device=self.runner.device, phy2log_LR=phy2log_LR,
                                           ep_size=self.parallel.ep.size)
             for j, layer in enumerate(layer_ids):
-                blocks[layer].load_recorder = functools.partial(recorder.record, j)
+                blocks[layer].load_recorder = recorder.layer_sink(j)
             self.expert_load_recorder = recorder
         return recorder

@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 import time
 
+import torch
+
 from moe_serve.server.core.sampling_params import SamplingParams
 
 
@@ -61,8 +63,10 @@ class Request:
         self.num_cached_tokens = 0      # prompt tokens served by the prefix cache at first schedule
         self.block_ids: list[int] = []  # this request's KV blocks, in token order
         self.finish_reason: str | None = None   # "stop" / "length" / "abort", set when finished
-        self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
-        self.output_logprobs: list = []  # one entry per output token, filled by the engine
+        self.stop_reason: int | None = None     # the stop token id that matched (stop strings: the front end)
+        # the request's own generator when it set a seed (its draws then do not depend on the batch)
+        seed = sampling_params.seed
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

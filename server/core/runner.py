@@ -103,6 +103,10 @@ class ModelRunner:
         log.info("layers [%d, %d); KV cache: %d blocks x %d tokens, %.1f MiB", *layer_range, num_blocks, block_size,
                  sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)
 
+    def moe_layers(self) -> dict:
+        """This rank's MoE blocks by decoder-layer index: what expert-load recording and rebalancing act on."""
+        return self.model.moe_blocks()
+
     def _prepare(self, scheduled: list[ScheduledRequest]):
         bs = self.block_size
         token_ids, positions, slots = [], [], []

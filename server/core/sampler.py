@@ -48,7 +48,7 @@ def _choose(row_V: torch.Tensor, req: Request, generator: torch.Generator | None
     if p.greedy:
         return int(row_V.argmax())
     row_V = _filter_top_k_top_p(row_V / p.temperature, p.top_k, p.top_p)
-    gen = getattr(req, "generator", None) or generator
+    gen = req.generator or generator
     return int(torch.multinomial(row_V.softmax(-1), 1, generator=gen))
 
 

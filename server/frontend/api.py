@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_serve.server.frontend.engine_client import EngineClient, Sink
+from moe_serve.server.frontend.engine_client import EngineClient, EngineFailure, Sink
 from moe_serve.server.frontend.metrics import Metrics
 from moe_serve.server.frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, error_body)
@@ -240,14 +240,14 @@ async def _warm_up(client: EngineClient, tokenizer, state: dict, metrics: Metric
     t0 = time.perf_counter()
     queue: asyncio.Queue = asyncio.Queue()
     ids = tokenizer.encode("warm up")
-    client.add("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0), None,
+    client.add("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0),
                Sink(queue, 0, len(ids), track_metrics=False))
     while True:
-        _, item = await queue.get()
-        if "error" in item:
-            log.error("warm-up failed: %s", item["error"])
+        _, out = await queue.get()
+        if isinstance(out, EngineFailure):
+            log.error("warm-up failed: %s", out.message)
             return
-        if "finish" in item:
+        if out.finished:
             break
     phases = {**state.get("startup", {}), "warmup": time.perf_counter() - t0, "total": since_process_start()}
     for phase, seconds in phases.items():

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from moe_serve.server.frontend.engine_loop import pack, run_engine_process, unpack
 from moe_serve.server.frontend.metrics import Metrics
+from moe_serve.server.core.outputs import EngineOutput
 from moe_serve.server.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,20 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+@dataclass
+class EngineFailure:
+    """A request the engine rejected (status 400), failed while running (500) or lost with its process (503)."""
+    message: str
+    status: int = 400
+
+
+def engine_output(item: dict) -> EngineOutput:
+    """The engine loop's wire item (server/frontend/engine_loop.py) as the engine core's output."""
+    lp = item["lp"]
+    return EngineOutput(item["id"], item["t"], None if lp is None else [dict(step) for step in lp],
+                        item.get("finish"), item.get("stop"), item.get("cached", 0))
 
 
 @dataclass
@@ -119,16 +134,16 @@ class EngineClient:
                 and time.monotonic() - self.last_message < self.heartbeat_timeout_s)
 
     # ---- requests ---------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
-            sink: Sink) -> None:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         self.sinks[request_id] = sink
         self.input.send(pack({"type": "add", "request_id": request_id, "prompt_token_ids": prompt_token_ids,
-                              "params": dataclasses.asdict(params), "prompt": prompt}))
+                              "params": dataclasses.asdict(params)}))
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort requests still running (finished ones are ignored); their KV blocks are freed."""
+    def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Abort requests still running (finished ones are ignored); their KV blocks are freed. `reason` is the
+        finish reason the metrics count ("stop" when the front end matched a stop string)."""
         ids = [rid for rid in request_ids if rid in self.sinks]
         if not ids:
             return
@@ -136,7 +151,7 @@ class EngineClient:
         for rid in ids:
             sink = self.sinks.pop(rid)
             if sink.track_metrics:
-                self.metrics.on_finish(sink, "abort", now)
+                self.metrics.on_finish(sink, reason, now)
         if self.dead_reason is None:
             self.input.send(pack({"type": "abort", "request_ids": ids}))
 
@@ -173,12 +188,11 @@ class EngineClient:
                         del self.sinks[item["id"]]
                         if sink.track_metrics:
                             self.metrics.on_finish(sink, item["finish"], now)
-                    sink.queue.put_nowait((sink.index, item))
+                    sink.queue.put_nowait((sink.index, engine_output(item)))
             elif kind == "error":
                 sink = self.sinks.pop(msg["request_id"], None)
                 if sink is not None:
-                    sink.queue.put_nowait((sink.index, {"id": msg["request_id"], "error": msg["message"],
-                                                        "status": msg.get("status", 400)}))
+                    sink.queue.put_nowait((sink.index, EngineFailure(msg["message"], msg.get("status", 400))))
             elif kind == "reply":
                 fut = self.pending.get(msg["nonce"])
                 if fut is not None and not fut.done():
@@ -192,8 +206,8 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
         log.error("%s; failing %d requests", reason, len(self.sinks))
-        for rid, sink in list(self.sinks.items()):
-            sink.queue.put_nowait((sink.index, {"id": rid, "error": reason, "status": 503}))
+        for sink in self.sinks.values():
+            sink.queue.put_nowait((sink.index, EngineFailure(reason, 503)))
         self.sinks.clear()
         for fut in self.pending.values():
             if not fut.done():

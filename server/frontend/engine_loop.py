@@ -1,7 +1,7 @@
-"""The engine process: owns the `LLMEngine` and talks to the front end over two ZMQ ipc sockets.
+"""The engine process: owns the `EngineCore` and talks to the front end over two ZMQ ipc sockets.
 
 Messages are msgpack maps with a "type" (never pickle). Front end -> engine (PUSH -> PULL):
-    add          {request_id, prompt_token_ids, params (SamplingParams fields), prompt}
+    add          {request_id, prompt_token_ids, params (SamplingParams fields)}
     abort        {request_ids}
     stats        {nonce}                        -> reply: engine.stats() + expert-load summary
     expert_load  {nonce, op: window|total|record|start|stop}  -> reply: ExpertLoadRecorder.to_json / state
@@ -11,7 +11,8 @@ Engine -> front end (PUSH -> PULL):
                   startup: {phase: seconds}}   (once, after loading)
     startup_error {message}
     outputs      {outputs: [{id, t: new token ids, lp: new logprobs [[[id, logprob], ...] per token] | None,
-                             and when finished: finish, stop, text, prompt_len, cached}]}
+                             cached: prompt tokens from the prefix cache, and when finished: finish, stop}]}
+                 (what is new this step only, as the engine core reports it; text is the front end's)
     error        {request_id, message, status}  (that request only; the loop goes on): status 400 for a
                                                 request the engine rejected, 500 for one that failed while running
     reply        {nonce, data}
@@ -56,11 +57,11 @@ def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, l
     push.setsockopt(zmq.LINGER, 1000)
     try:
         from moe_serve.server.core.config import EngineConfig
-        from moe_serve.server.core.engine import LLMEngine
+        from moe_serve.server.core.engine import EngineCore
         from moe_serve.server.core.startup import since_process_start
 
         engine_import_s = since_process_start()
-        engine = LLMEngine(EngineConfig(**engine_kwargs))
+        engine = EngineCore(EngineConfig(**engine_kwargs))
         recorder = engine.expert_load_recorder  # on by default (None without MoE layers); the engine closes its steps
     except Exception as exc:  # noqa: BLE001 - reported to the front end, which exits with it
         log.exception("engine failed to start")
@@ -83,9 +84,9 @@ def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, l
 def run_follower(engine_kwargs: dict) -> None:
     """Ranks other than 0 under torchrun: the same engine loop, fed by rank 0's broadcasts."""
     from moe_serve.server.core.config import EngineConfig
-    from moe_serve.server.core.engine import LLMEngine
+    from moe_serve.server.core.engine import EngineCore
 
-    engine = LLMEngine(EngineConfig(**engine_kwargs))
+    engine = EngineCore(EngineConfig(**engine_kwargs))
     EngineLoop(engine, engine.expert_load_recorder, None, None).run()
 
 
@@ -97,7 +98,6 @@ class EngineLoop:
 
     def __init__(self, engine, recorder, pull: zmq.Socket | None, push: zmq.Socket | None):
         self.engine, self.recorder, self.pull, self.push = engine, recorder, pull, push
-        self.sent: dict[str, int] = {}  # request id -> output tokens already sent
         self.last_heartbeat = 0.0
         self.events: list[dict] = []  # outputs and errors of this iteration, on their way to the leader
         state = engine.parallel
@@ -173,7 +173,6 @@ class EngineLoop:
         elif kind == "abort":
             for rid in msg.get("request_ids", []):
                 self.engine.abort_request(rid)
-                self.sent.pop(rid, None)
         elif kind in ("stats", "expert_load"):
             try:
                 data = self.stats() if kind == "stats" else self.expert_load(msg.get("op", "window"))
@@ -192,8 +191,7 @@ class EngineLoop:
         rid = msg.get("request_id")
         try:
             params = SamplingParams(**msg["params"])
-            self.engine.add_request(list(msg["prompt_token_ids"]), params, request_id=rid, prompt=msg.get("prompt"))
-            self.sent[rid] = 0
+            self.engine.add_request(list(msg["prompt_token_ids"]), params, request_id=rid)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             self.events.append({"type": "error", "request_id": rid, "message": str(exc), "status": 400})
 
@@ -204,25 +202,18 @@ class EngineLoop:
             log.error("engine step failed; aborting %d requests:\n%s", len(self.engine.requests), traceback.format_exc())
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)
-                self.sent.pop(rid, None)
                 self.events.append({"type": "error", "request_id": rid, "message": f"engine step failed: {exc}",
                                     "status": 500})
             return
         for out in outputs:  # (the engine closes the expert-load recorder's step itself)
-            c, rid = out.outputs[0], out.request_id
             if out.error is not None:  # this request failed alone
-                self.sent.pop(rid, None)
-                self.events.append({"type": "error", "request_id": rid, "message": out.error, "status": 500})
+                self.events.append({"type": "error", "request_id": out.request_id, "message": out.error,
+                                    "status": 500})
                 continue
-            n0 = self.sent.get(rid, 0)
-            item = {"id": rid, "t": c.token_ids[n0:],
-                    "lp": None if c.logprobs is None else [list(d.items()) for d in c.logprobs[n0:]]}
+            item = {"id": out.request_id, "t": out.new_token_ids, "cached": out.num_cached_tokens,
+                    "lp": None if out.new_logprobs is None else [list(d.items()) for d in out.new_logprobs]}
             if out.finished:
-                item.update(finish=c.finish_reason, stop=c.stop_reason, text=c.text,
-                            prompt_len=len(out.prompt_token_ids), cached=out.num_cached_tokens)
-                self.sent.pop(rid, None)
-            else:
-                self.sent[rid] = len(c.token_ids)
+                item.update(finish=out.finish_reason, stop=out.stop_reason)
             self.events.append(item)
 
     def stats(self) -> dict:

@@ -1,4 +1,7 @@
-"""The offline API: `LLM(model_dir, ...).generate(prompts, SamplingParams(...))`."""
+"""The offline API: `LLM(model_dir, ...).generate(prompts, SamplingParams(...))`.
+
+The engine core in this process, and the front end's output processor for text and stop strings, as the
+HTTP server uses them."""
 
 from __future__ import annotations
 
@@ -9,11 +12,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_serve.server.core.config import EngineConfig
-from moe_serve.server.core.engine import LLMEngine
+from transformers import AutoTokenizer
+
 from moe_serve.parallel import comm
-from moe_serve.server.frontend.outputs import CompletionOutput, RequestOutput
+from moe_serve.server.core.config import EngineConfig
+from moe_serve.server.core.engine import EngineCore
 from moe_serve.server.core.sampling_params import SamplingParams
+from moe_serve.server.frontend.output_processor import RequestState
+from moe_serve.server.frontend.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +33,8 @@ def _int_keys(logprobs: list[dict] | None) -> list[dict[int, float]] | None:
 
 class LLM:
     def __init__(self, model: str, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
-        self.tokenizer = self.engine.tokenizer
+        self.engine = EngineCore(EngineConfig(model=str(model), **kwargs))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.last_generate_seconds = 0.0
         self._num_calls = 0
 
@@ -55,32 +61,33 @@ class LLM:
         dp = engine.parallel.dp
         mine = [i for i in range(len(prompts)) if i % dp.size == dp.index]  # this DP rank's share
         added: list[list[str]] = []
+        states: dict[str, RequestState] = {}
         try:
             for i in mine:
                 (text, ids), p = tokenized[i], params_list[i]
                 ids_i = []
                 for j in range(p.n):  # n samples = n requests; seeds stay distinct but reproducible
                     pj = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                    ids_i.append(engine.add_request(ids, pj, request_id=f"gen-{self._num_calls}-{i}-{j}", prompt=text))
+                    rid = engine.add_request(ids, pj, request_id=f"gen-{self._num_calls}-{i}-{j}")
+                    states[rid] = RequestState(rid, text, ids, pj, self.tokenizer)
+                    ids_i.append(rid)
                 added.append(ids_i)
         except ValueError:
             for ids_i in added:
                 for rid in ids_i:
                     engine.abort_request(rid)
             raise
-        finished: dict[str, RequestOutput] = {}
         t0 = time.perf_counter()
         while engine.any_rank_has_work():
             for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+                if states[out.request_id].add(out):  # a stop string matched
+                    engine.abort_request(out.request_id)
         self.last_generate_seconds = time.perf_counter() - t0
         results = []
         for ids_i in added:
-            first = finished[ids_i[0]]
+            first = states[ids_i[0]].to_output()
             for j, rid in enumerate(ids_i[1:], 1):
-                extra = finished[rid].outputs[0]
-                first.outputs.append(dataclasses.replace(extra, index=j))
+                first.outputs.append(dataclasses.replace(states[rid].to_output().outputs[0], index=j))
             results.append(first)
         if dp.size == 1:
             return results

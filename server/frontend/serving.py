@@ -1,10 +1,11 @@
 """/v1/completions and /v1/chat/completions: prompts -> engine requests -> OpenAI responses (SSE or JSON).
 
 One API call becomes one engine request per (prompt, sample): choice index = prompt index * n + sample,
-sample j gets seed + j (as the offline `LLM` does). Their outputs share one queue. Streaming detokenizes
-incrementally; while a request has stop strings the last (longest stop - 1) characters are held back, so
-text a stop string later removes is never sent. The final text is always the engine's. A client that goes
-away aborts the engine requests still running (their KV blocks are freed).
+sample j gets seed + j (as the offline `LLM` does). Their outputs (token deltas) share one queue; each choice
+turns them into text through the output processor (server/frontend/output_processor.py), which matches stop
+strings (the engine request is then aborted) and, while streaming, holds back the last (longest stop - 1)
+characters, so text a stop string later removes is never sent. A client that goes away aborts the engine
+requests still running (their KV blocks are freed).
 """
 
 from __future__ import annotations
@@ -15,32 +16,23 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moe_serve.server.frontend.detokenizer import IncrementalDetokenizer
-from moe_serve.server.frontend.engine_client import EngineClient, Sink
-from moe_serve.server.frontend.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest, error_body)
 from moe_serve.server.core.sampling_params import SamplingParams
+from moe_serve.server.frontend.engine_client import EngineClient, EngineFailure, Sink
+from moe_serve.server.frontend.output_processor import RequestState
+from moe_serve.server.frontend.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                                DetokenizeRequest, TokenizeRequest, error_body)
 
 
-@dataclass
-class Choice:
-    index: int
-    engine_id: str
-    prompt_ids: list[int]
-    prompt_text: str | None
-    detok: IncrementalDetokenizer | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[list] = field(default_factory=list)  # per token: [[token id, logprob], ...]
-    sent: str = ""  # text streamed so far
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    finished: bool = False
+class Choice(RequestState):
+    """One engine request of an API call; choice `index` = prompt index * n + sample."""
+
+    def __init__(self, index: int, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.index = index
 
 
 class SSEResponse(StreamingResponse):
@@ -116,59 +108,41 @@ class OpenAIServing:
         choices = []
         for i, (text, ids) in enumerate(prompts):
             for j in range(params.n):
-                c = Choice(i * params.n + j, f"{request_id}-{i}-{j}", ids, text,
-                           IncrementalDetokenizer(self.tokenizer, ids) if stream else None)
-                choices.append(c)
+                pj = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+                choices.append(Choice(i * params.n + j, f"{request_id}-{i}-{j}", text, ids, pj, self.tokenizer, stream))
         try:
             for c in choices:
-                j = c.index % params.n
-                pj = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
-                self.client.add(c.engine_id, c.prompt_ids, pj, c.prompt_text, Sink(queue, c.index, len(c.prompt_ids)))
+                self.client.add(c.request_id, c.prompt_token_ids, c.params, Sink(queue, c.index, len(c.prompt_token_ids)))
         except Exception as exc:
             self.abort(choices)
             raise APIError(f"the engine is not available: {exc}", status=503) from None
         return request_id, choices, queue
 
     def abort(self, choices: list[Choice]) -> None:
-        self.client.abort([c.engine_id for c in choices if not c.finished])
+        self.client.abort([c.request_id for c in choices if not c.finished])
 
-    async def events(self, choices: list[Choice], queue: asyncio.Queue) -> AsyncIterator[tuple[Choice, dict]]:
-        """(choice, item) per engine output until every choice has finished; raises APIError on an error."""
+    async def events(self, choices: list[Choice], queue: asyncio.Queue) -> AsyncIterator[tuple[Choice, int]]:
+        """(choice, new tokens) per engine output until every choice has finished; raises APIError on an error."""
         remaining = len(choices)
         while remaining:
-            index, item = await queue.get()
+            index, out = await queue.get()
             c = choices[index]
-            if "error" in item:
-                c.finished = True
-                raise APIError(item["error"], status=item.get("status", 400))
-            c.token_ids.extend(item["t"])
-            if item["lp"] is not None:
-                c.logprobs.extend(item["lp"])
-            if "finish" in item:
-                c.finished, c.text = True, item["text"]
-                c.finish_reason, c.stop_reason = item["finish"], item["stop"]
-                remaining -= 1
-            yield c, item
+            if c.finished:
+                continue  # computed before the engine saw the abort that a stop string sent
+            if isinstance(out, EngineFailure):
+                c.finish_reason = "abort"
+                raise APIError(out.message, status=out.status)
+            before = len(c.token_ids)
+            if c.add(out):  # a stop string matched: the engine stops computing it
+                self.client.abort([c.request_id], reason="stop")
+            remaining -= c.finished
+            yield c, len(c.token_ids) - before
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
-
-    def stream_delta(self, c: Choice, item: dict, params: SamplingParams) -> str:
-        """Text to send for this output: the detokenized delta, minus what a stop string could still remove."""
-        if c.finished:
-            final = c.text
-            delta = final[len(c.sent):] if final.startswith(c.sent) else ""
-            c.sent = final if final.startswith(c.sent) else c.sent
-            return delta
-        c.detok.add(item["t"])
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        ready = c.detok.text[: len(c.detok.text) - hold] if hold else c.detok.text
-        delta = ready[len(c.sent):]
-        c.sent = max(c.sent, ready, key=len)
-        return delta
 
     @staticmethod
     def usage(prompts, choices) -> dict:
@@ -230,11 +204,11 @@ class OpenAIServing:
 
     def _completion_logprobs(self, c: Choice, start: int, offset: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, entries in zip(c.token_ids[start:], c.logprobs[start:]):
+        for tid, entries in zip(c.token_ids[start:], c.logprobs[start:]):  # entries: {token id: logprob}
             text = self.token_text(tid)
             tokens.append(text)
-            token_lps.append(dict(entries).get(tid))
-            tops.append({self.token_text(t): lp for t, lp in sorted(entries, key=lambda e: -e[1])})
+            token_lps.append(entries.get(tid))
+            tops.append({self.token_text(t): lp for t, lp in sorted(entries.items(), key=lambda e: -e[1])})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -250,7 +224,7 @@ class OpenAIServing:
         want_lp = params.logprobs is not None
 
         def echo_text(c: Choice) -> str:
-            return c.prompt_text if c.prompt_text is not None else self.tokenizer.decode(c.prompt_ids)
+            return c.prompt if c.prompt is not None else self.tokenizer.decode(c.prompt_token_ids)
 
         if body.stream:
             async def gen():
@@ -260,9 +234,8 @@ class OpenAIServing:
                         yield _sse({**head, "choices": [{"index": c.index, "text": echo_text(c), "logprobs": None,
                                                          "finish_reason": None}], **usage_null})
                 text_offsets = {c.index: 0 for c in choices}
-                async for c, item in self.events(choices, queue):
-                    delta = self.stream_delta(c, item, params)
-                    n_new = len(item["t"])
+                async for c, n_new in self.events(choices, queue):
+                    delta = c.stream_delta()
                     if not delta and not c.finished and not (want_lp and n_new):
                         continue
                     lp = None
@@ -324,10 +297,10 @@ class OpenAIServing:
 
     def _chat_logprobs(self, c: Choice, start: int, top_n: int) -> dict:
         content = []
-        for tid, entries in zip(c.token_ids[start:], c.logprobs[start:]):
+        for tid, entries in zip(c.token_ids[start:], c.logprobs[start:]):  # entries: {token id: logprob}
             text = self.token_text(tid)
-            top = sorted(entries, key=lambda e: -e[1])[:top_n]
-            content.append({"token": text, "logprob": dict(entries).get(tid), "bytes": list(text.encode()),
+            top = sorted(entries.items(), key=lambda e: -e[1])[:top_n]
+            content.append({"token": text, "logprob": entries.get(tid), "bytes": list(text.encode()),
                             "top_logprobs": [{"token": self.token_text(t), "logprob": lp,
                                               "bytes": list(self.token_text(t).encode())} for t, lp in top]})
         return {"content": content}
@@ -351,9 +324,8 @@ class OpenAIServing:
                 for c in choices:
                     yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}], **usage_null})
-                async for c, item in self.events(choices, queue):
-                    delta = self.stream_delta(c, item, params)
-                    n_new = len(item["t"])
+                async for c, n_new in self.events(choices, queue):
+                    delta = c.stream_delta()
                     if not delta and not c.finished and not (body.logprobs and n_new):
                         continue
                     lp = self._chat_logprobs(c, len(c.token_ids) - n_new, top_n) if body.logprobs else None

@@ -1,0 +1,10 @@
+"""Front ends of the engine core: the text side of every request.
+
+`output_processor` (detokenization, stop strings, logprobs, final outputs) is the one place text is made; the
+offline `LLM` (`llm`) runs the engine core in-process through it, and the OpenAI-compatible HTTP server does the
+same across processes: `api` (FastAPI app), `serving` (requests -> engine requests -> responses), `protocol`
+(request bodies, error body), `metrics` (Prometheus), `engine_client` (front-end side of the ZMQ link) and
+`engine_loop` (the engine process's side: it runs the engine core and sends its deltas).
+
+May import: server.core (and through it what the core uses), never server.tools.
+"""
