@@ -111,3 +111,25 @@ def test_kv_cache_holds_only_the_latent(checkpoint, dtype, nbytes):
     assert llm.stats()["kv_cache_bytes_per_token"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * nbytes
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("preset", ["v3", "v2"])
+def test_prompt_logprobs_match_transformers(checkpoint, preset):
+    """SamplingParams(prompt_logprobs=k): every prompt position's log-softmax equals transformers' forward, with
+    prompts cut into chunks, and still computed (not skipped) when the prefix cache holds the prompt."""
+    ckpt = checkpoint(preset)
+    llm = LLM(ckpt, dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=True)
+    model = load_reference_model(ckpt, torch.float32)
+    prompts = [llm.tokenizer.encode(p) for p in (PROMPTS[4], PREFIX + "went home.", PROMPTS[0])]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    for attempt in range(2):  # the second time every prompt is in the prefix cache
+        for ids, out in zip(prompts, llm.generate(prompts, params)):
+            assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+            with torch.no_grad():
+                ref_TV = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            for p, entry in enumerate(out.prompt_logprobs[1:], 1):
+                assert ids[p] in entry and len(entry) <= 4
+                for token, value in entry.items():
+                    assert value == pytest.approx(ref_TV[p - 1, token].item(), abs=1e-4), (attempt, p, token)
+                top3 = ref_TV[p - 1].topk(3).indices.tolist()
+                assert set(top3) <= set(entry)

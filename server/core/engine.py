@@ -137,12 +137,21 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty and self.parallel.world.size == 1:
             return []  # alone, an idle step does nothing; in a job it is a dummy batch for the collectives
-        sampled = self.runner.execute(sched)
-        outputs = self._update(sched, sampled)
+        result = self.runner.execute(sched)
+        self._record_prompt_logprobs(result.prompt_logprobs)
+        outputs = self._update(sched, result.sampled)
         if self.expert_load_recorder is not None:
             self.expert_load_recorder.end_step()
             self.rebalancer.after_step()  # placement changes only here, between steps
         return outputs
+
+    def _record_prompt_logprobs(self, chunks: dict[str, tuple]) -> None:
+        """Keep each request's prompt logprobs in position order (a chunk computed again after a preemption
+        is not recorded twice); they go out with the request's first output."""
+        for rid, (start, entries) in chunks.items():
+            req = self.requests.get(rid)
+            if req is not None and start == len(req.prompt_logprobs):
+                req.prompt_logprobs.extend(entries)
 
     def _update(self, sched: SchedulerOutput, sampled: dict[str, SampleResult]) -> list[EngineOutput]:
         """Record the new tokens and apply stop conditions. A request whose sampling or bookkeeping
@@ -157,6 +166,8 @@ class EngineCore:
                 self.num_generated_tokens += 1
                 out = EngineOutput(rid, [result.token_id], self._logprobs(req, result),
                                    num_cached_tokens=req.num_cached_tokens)
+                if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
+                    out.prompt_logprobs = req.prompt_logprobs
                 status = self._check_stop(req, result.token_id)
                 if status is not None:
                     self.scheduler.finish_request(req, status)

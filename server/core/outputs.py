@@ -15,6 +15,9 @@ class EngineOutput:
     stop_reason: int | None = None  # the stop token id that ended it (stop strings are the front end's)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     error: str | None = None  # the engine failed this request alone (finish_reason "abort"); others went on
+    # in a request's first output, when it asked for them: per prompt position p >= 1, {token id: logprob} of
+    # prompt token p (and the top alternatives)
+    prompt_logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -64,6 +64,7 @@ class Request:
         self.block_ids: list[int] = []  # this request's KV blocks, in token order
         self.finish_reason: str | None = None   # "stop" / "length" / "abort", set when finished
         self.stop_reason: int | None = None     # the stop token id that matched (stop strings: the front end)
+        self.prompt_logprobs: list[dict[int, float]] = []  # per prompt position p >= 1, when asked for
         # the request's own generator when it set a seed (its draws then do not depend on the batch)
         seed = sampling_params.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from moe_serve.moe.model import DeepseekForCausalLM
 from moe_serve.parallel import comm
 from moe_serve.parallel.pipeline import split_micro_batches, stage_layer_range
 from moe_serve.parallel.state import ParallelState
+from moe_serve.server.core.request import Request
 from moe_serve.server.core.sampler import SampleResult, sample
 from moe_serve.server.core.scheduler import ScheduledRequest, SchedulerOutput
 from moe_serve.server.core.startup import PhaseTimer
@@ -58,6 +60,21 @@ def decode_group_bounds(num_rows: int, rows_per_group: int = DECODE_GROUP_ROWS) 
     if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < rows_per_group // 2:
         bounds[-2:] = [(bounds[-2][0], num_rows)]
     return bounds
+
+
+@dataclass
+class PromptLogprobRows:
+    """A chunk's prompt positions to score: flat rows `token_rows` predict `targets` (prompt tokens start+1...)."""
+    request: Request
+    start: int
+    token_rows: list[int]
+    targets: list[int]
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, SampleResult]  # request id -> the token sampled for it this step
+    prompt_logprobs: dict[str, tuple]  # request id -> (first position, [{token id: logprob}]) for this chunk
 
 
 class ModelRunner:
@@ -111,10 +128,15 @@ class ModelRunner:
         bs = self.block_size
         token_ids, positions, slots = [], [], []
         decode_idx, decode_tables, decode_lens, prefills, sample_idx, sample_reqs = [], [], [], [], [], []
+        prompt_rows: list[PromptLogprobRows] = []
         for item in scheduled:
             req, n = item.request, item.num_new_tokens
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             t0 = len(token_ids)
+            last_scored = min(end, req.num_prompt_tokens - 1)  # position p scores prompt token p + 1
+            if req.sampling_params.prompt_logprobs is not None and start < last_scored:
+                prompt_rows.append(PromptLogprobRows(req, start, list(range(t0, t0 + last_scored - start)),
+                                                     req.prompt_token_ids[start + 1:last_scored + 1]))
             token_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, end))
@@ -144,10 +166,30 @@ class ModelRunner:
             decode_groups=groups,
         )
         inputs = (torch.tensor(token_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev))
-        return inputs, meta, sample_idx, sample_reqs
+        return inputs, meta, sample_idx, sample_reqs, prompt_rows
+
+    def _prompt_logprobs(self, hidden_TH: torch.Tensor, rows: list[PromptLogprobRows]) -> dict[str, tuple]:
+        """Per request: (first position scored, [{next prompt token: logprob, top alternatives...}])."""
+        flat = [t for r in rows for t in r.token_rows]
+        logprobs_PV = self.model.compute_logits(hidden_TH[torch.tensor(flat, device=self.device)]).float()
+        logprobs_PV = logprobs_PV.log_softmax(-1).cpu()
+        out, at = {}, 0
+        for r in rows:
+            lp_PV = logprobs_PV[at:at + len(r.targets)]
+            at += len(r.targets)
+            chosen = lp_PV.gather(1, torch.tensor(r.targets).unsqueeze(1))[:, 0].tolist()
+            top_k = r.request.sampling_params.prompt_logprobs
+            tops = lp_PV.topk(top_k) if top_k else None
+            entries = []
+            for i, (target, value) in enumerate(zip(r.targets, chosen)):
+                entry = dict(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else {}
+                entry[target] = value
+                entries.append(entry)
+            out[r.request.request_id] = (r.start, entries)
+        return out
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, SampleResult]:
+    def execute(self, sched: SchedulerOutput) -> StepResult:
         """Runs the step (an empty one is a dummy batch that still takes part in every collective).
 
         Under pipeline parallelism the step is cut into as many micro-batches as there are stages:
@@ -157,23 +199,29 @@ class ModelRunner:
         pp, first, last = self.pp, self.model.model.is_first, self.model.model.is_last
         parts = split_micro_batches(sched.scheduled, [s.num_new_tokens for s in sched.scheduled], pp.size)
         results: dict[str, SampleResult] = {}
+        prompt_lps: dict[str, tuple] = {}
         pending_sends = []
         for part in parts:
-            (input_ids_T, positions_T), meta, sample_idx, sample_reqs = self._prepare(part)
+            (input_ids_T, positions_T), meta, sample_idx, sample_reqs, prompt_rows = self._prepare(part)
             hidden_in = None if first else comm.recv_tensor(pp.index - 1, pp)
             hidden_TH = self.model(input_ids_T, positions_T, self.kv_caches, meta, hidden_in)
             if not last:
                 pending_sends.append(comm.isend_tensor(hidden_TH, pp.index + 1, pp))
-            elif sample_reqs:
+                continue
+            if sample_reqs:
                 logits_BV = self.model.compute_logits(hidden_TH[torch.tensor(sample_idx, device=self.device)])
                 samples = sample(logits_BV.cpu(), sample_reqs, self.generator)
                 results.update({req.request_id: r for req, r in zip(sample_reqs, samples)})
+            if prompt_rows:
+                prompt_lps.update(self._prompt_logprobs(hidden_TH, prompt_rows))
         for wait in pending_sends:
             wait()
         if pp.size > 1:
-            wire = ({rid: [r.token_id, r.logprob, r.top_logprobs, r.error] for rid, r in results.items()}
-                    if last else None)
-            wire = comm.broadcast_object(wire, pp, src=pp.size - 1)
+            wire = ({rid: [r.token_id, r.logprob, r.top_logprobs, r.error] for rid, r in results.items()}, prompt_lps) \
+                if last else None
+            wire, prompt_lps = comm.broadcast_object(wire, pp, src=pp.size - 1)
             results = {rid: SampleResult(t, lp, {int(k): v for k, v in top.items()} if top else top, err)
                        for rid, (t, lp, top, err) in wire.items()}
-        return results
+            prompt_lps = {rid: (start, [{int(k): v for k, v in e.items()} for e in entries])
+                          for rid, (start, entries) in prompt_lps.items()}
+        return StepResult(results, prompt_lps)

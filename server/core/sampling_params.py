@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None              # top logprobs returned besides the chosen token's
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None       # logprob of each prompt token (after the first), + this many top
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens", "top_k", "min_tokens", "seed"):
@@ -67,6 +68,9 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
 
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
         for s in stop:

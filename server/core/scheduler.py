@@ -135,7 +135,9 @@ class Scheduler:
             request = self.waiting[0]
             self._check_fits(request, request.num_tokens)
             first_time = request.status == RequestStatus.WAITING
-            num_hit = self.block_manager.get_computed_blocks(request)
+            # prompt logprobs need every prompt position computed: no prefix-cache hits for them
+            wants_all = request.sampling_params.prompt_logprobs is not None
+            num_hit = 0 if wants_all else self.block_manager.get_computed_blocks(request)
             request.num_computed_tokens = num_hit
             if first_time:
                 request.num_cached_tokens = num_hit

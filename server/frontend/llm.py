@@ -97,6 +97,8 @@ class LLM:
         for d, share in enumerate(shares):
             for k, r in enumerate(share):
                 outs = [CompletionOutput(**{**c, "logprobs": _int_keys(c["logprobs"])}) for c in r.pop("outputs")]
+                if r["prompt_logprobs"] is not None:
+                    r["prompt_logprobs"] = [None, *_int_keys(r["prompt_logprobs"][1:])]
                 ordered[d + k * dp.size] = RequestOutput(**r, outputs=outs)
         return ordered
 

@@ -29,6 +29,7 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.error: str | None = None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self._tokenizer = tokenizer
         self._stops = list(params.stop or [])
         self._hold = max((len(s) for s in self._stops), default=1) - 1  # chars a stop string could still claim
@@ -46,6 +47,8 @@ class RequestState:
         if self.finished:
             return False  # tokens the engine computed before it saw the abort
         self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = [None, *out.prompt_logprobs]  # the first prompt token has none
         if out.error is not None:
             self.error, self.finish_reason = out.error, "abort"
             return False
@@ -102,4 +105,4 @@ class RequestState:
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished,
-                             self.num_cached_tokens, self.error)
+                             self.num_cached_tokens, self.error, self.prompt_logprobs)

@@ -25,3 +25,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None  # the engine failed this request alone (finish_reason "abort"); others went on
+    # with SamplingParams(prompt_logprobs=k): per prompt token {token id: logprob} (None for the first), as vLLM
+    prompt_logprobs: list[dict[int, float] | None] | None = None
