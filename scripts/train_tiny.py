@@ -50,7 +50,7 @@ ARCH = dict(
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
     qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=1024, rope_theta=10000.0, rope_scaling=None,
     rope_interleave=True, tie_word_embeddings=False, rms_norm_eps=1e-6, hidden_act="silu",
-    initializer_range=0.02, attention_bias=False,
+    initializer_range=0.02, attention_bias=False, num_nextn_predict_layers=0,  # no multi-token-prediction layer
 )
 
 
