@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.parallel import comm
+
 
 @dataclass
 class LoadSnapshot:
@@ -180,11 +182,18 @@ class ExpertLoadRecorder:
             steps_in_window=min(self.window_steps, self.steps_total), steps_total=self.steps_total,
             steps_recorded=self.steps_recorded)
 
-    def to_json(self, view: str = "window") -> dict:
-        """The JSON body of GET /v1/expert_load (view "window") and of the record dump (view "record")."""
+    def to_json(self, view: str = "window", sum_over: comm.Group | None = None) -> dict:
+        """The JSON body of GET /v1/expert_load (view "window") and of the record dump (view "record").
+
+        sum_over: a group of ranks that routed different tokens through the same layers (the data-parallel
+        ranks): their counts are summed, so the report covers the whole job's traffic. Every rank of the
+        group must call this together."""
         snap = self.snapshot()
         counts_LE, slots_LR = {"window": (snap.window_LE, snap.window_LR), "total": (snap.total_LE, snap.total_LR),
                                "record": (snap.record_LE, snap.record_LR)}[view]
+        if sum_over is not None and sum_over.size > 1:
+            counts_LE = comm.all_reduce(counts_LE.to(self.device), sum_over).cpu()
+            slots_LR = comm.all_reduce(slots_LR.double().to(self.device), sum_over).cpu()
         bal_L = balancedness_per_layer(slots_LR, self.ep_size)
         return {
             "view": view,

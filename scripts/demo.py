@@ -3,7 +3,7 @@
 1. Serves models/tiny-fortunes (a DeepSeek-V3-architecture model trained on Debian's fortunes: see its
    README.md) expert-parallel over 2 ranks (torchrun, data-parallel attention + EP, gloo on CPU), and asks it
    a few things with the `openai` client: completions and a streamed chat answer, with tokens/s.
-2. Replays a fixed set of prompts (the starts of held-out fortunes) as traffic, recording the expert load,
+2. Replays fixed traffic (chat requests and completions of held-out fortunes) recording the expert load,
    and writes the expert-load report of that traffic to out/report/before (PNG heatmaps + summary.txt):
    how unevenly the router spreads tokens (max / mean expert load per layer) and the balance over EP ranks.
 3. Plans a placement from that load with 2 redundant slots (`moe plan`, the balancer's EPLB-style planner),
@@ -81,21 +81,26 @@ class Server:
             return json.loads(r.read())
 
 
-def traffic_prompts(model: Path, count: int = 32) -> list[str]:
-    """The first words of held-out fortunes (text the model never trained on), or fixed prompts."""
+ASKS = ["Tell me a fortune.", "Say something wise.", "Give me a quote.", "Tell me something funny.",
+        "What do you have for me today?", "Any advice for a programmer?", "What is love?", "Tell me about cats.",
+        "How do I become rich?", "What should I do on Monday?", "Why is the sky blue?", "Cheer me up."]
+
+
+def traffic(model: Path, completions: int = 16) -> list[tuple[str, dict]]:
+    """What a served chat model sees: chat requests (the asks above), and completions of the first words of
+    held-out fortunes (text the model never trained on)."""
+    bodies = [("/v1/chat/completions", {"messages": [{"role": "user", "content": q}]}) for q in ASKS]
     held = model / "heldout.txt"
-    if not held.exists():
-        return (PROMPTS * (count // len(PROMPTS) + 1))[:count]
-    fortunes = [f.strip() for f in held.read_text().split("\n%\n") if f.strip()]
-    return [" ".join(f.split()[:6]) for f in fortunes[:count]]
+    starts = [" ".join(f.split()[:6]) for f in held.read_text().split("\n%\n")[:completions]] if held.exists() else PROMPTS
+    return bodies + [("/v1/completions", {"prompt": p}) for p in starts]
 
 
-def replay(server: Server, prompts: list[str]) -> dict:
-    """The traffic, 8 requests at a time, recorded: returns the dump of the record."""
+def replay(server: Server, requests: list[tuple[str, dict]]) -> dict:
+    """The traffic (32 greedy tokens each), 8 requests at a time, recorded: returns the dump of the record."""
     server.post("/start_expert_distribution_record")
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda p: server.post("/v1/completions", {"model": "demo", "prompt": p, "max_tokens": 32,
-                                                                 "temperature": 0}), prompts))
+        list(pool.map(lambda r: server.post(r[0], {"model": "demo", "max_tokens": 32, "temperature": 0, **r[1]}),
+                      requests))
     dump = server.post("/dump_expert_distribution_record")
     server.post("/stop_expert_distribution_record")
     return dump
@@ -126,7 +131,7 @@ def main() -> None:
         print(f"[demo] {TRAINED.relative_to(REPO)} is missing: using a random tiny checkpoint (answers are noise)")
         ensure_checkpoint(FALLBACK, "v3")
     OUT.mkdir(exist_ok=True)
-    prompts = traffic_prompts(model)
+    requests = traffic(model)
 
     with Server(model, "before") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="none")
@@ -141,8 +146,9 @@ def main() -> None:
         print(f"chat (streamed): {CHAT!r} -> {text!r}")
         seconds = time.perf_counter() - t0
         print(f"{tokens} completion tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s (sequential requests)")
-        print(f"[demo] replaying {len(prompts)} prompts x 32 tokens as traffic, recording the expert load", flush=True)
-        before = report(replay(server, prompts), "before")
+        print(f"[demo] replaying {len(requests)} requests (chats and completions) x 32 tokens as traffic, recording "
+              "the expert load", flush=True)
+        before = report(replay(server, requests), "before")
 
     placement = OUT / "placement.json"
     subprocess.run([sys.executable, "-m", "moe_serve.server", "plan", "--load", str(before), "--ep", "2",
@@ -151,7 +157,7 @@ def main() -> None:
     with Server(model, "after", "--enable-eplb", "--num-redundant-experts", str(REDUNDANT),
                 "--expert-placement", str(placement)) as server:
         print("[demo] the same traffic with EPLB on, from the planned placement", flush=True)
-        after = report(replay(server, prompts), "after")
+        after = report(replay(server, requests), "after")
 
     layers, skew, bal_before = per_layer(json.loads(before.read_text()))
     _, _, bal_after = per_layer(json.loads(after.read_text()))

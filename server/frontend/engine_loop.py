@@ -237,4 +237,4 @@ class EngineLoop:
             return {"recording": False}
         if op not in ("window", "total", "record"):
             raise ValueError(f"unknown expert_load op {op!r}")
-        return self.recorder.to_json(op)
+        return self.recorder.to_json(op, sum_over=self.dp)  # every DP rank's tokens (all ranks run this)
