@@ -136,7 +136,9 @@ def test_disconnected_streams_free_kv_blocks(server):
     for t in threads:
         t.start()
     got_tokens.wait(60)
-    mid = metrics(server)
+    deadline = time.monotonic() + 10  # the stats reply is taken between engine steps: allow it one more step
+    while (mid := metrics(server))[("moe_num_requests_running", ())] != 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
     may_leave.set()
     assert kv_usage(mid) > idle_kv and mid[("moe_num_requests_running", ())] == 20
     for t in threads:

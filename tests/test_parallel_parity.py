@@ -1,7 +1,7 @@
 """Greedy float32 tokens of every parallel layout equal the single-process run, under real torchrun
-launches on gloo: tp=2; pp=2; dp=2+EP; tp=2+EP; pp=2 x tp=2 +EP; pp=2 x dp=2 +EP; on V3- and V2-style
-checkpoints; with a lone request on a DP layout (the idle DP rank runs dummy batches); a two-node
-launch; and a rank killed mid-generation."""
+launches on gloo: tp=2; pp=2; dp=2 (experts replicated); dp=2+EP; tp=2+EP; tp=2 x dp=2; pp=2 x tp=2 +EP;
+pp=2 x dp=2 +EP; on V3- and V2-style checkpoints and the shipped trained model; with a lone request on a DP
+layout (the idle DP rank runs dummy batches); a two-node launch; and a rank killed mid-generation."""
 
 from __future__ import annotations
 
@@ -86,11 +86,14 @@ def single_process_tokens(ckpt: str, prompts=PROMPTS) -> list[list[int]]:
     return _single[key]
 
 
-@pytest.mark.parametrize("preset", ["v3", "v2"])
+TRAINED = str(Path(__file__).resolve().parents[1] / "models" / "tiny-fortunes")  # the shipped trained model
+
+
+@pytest.mark.parametrize("preset", ["v3", "v2", "trained"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(checkpoint, tmp_path, preset, name):
     layout, nproc = LAYOUTS[name]
-    ckpt = checkpoint(preset)
+    ckpt = TRAINED if preset == "trained" else checkpoint(preset)
     expected = single_process_tokens(ckpt)
     for rank, result in enumerate(run_layout(ckpt, tmp_path, layout, nproc)):
         assert result["tokens"] == expected, f"rank {rank} of {name}"
