@@ -137,15 +137,18 @@ class ModelRunner:
             if req.sampling_params.prompt_logprobs is not None and start < last_scored:
                 prompt_rows.append(PromptLogprobRows(req, start, list(range(t0, t0 + last_scored - start)),
                                                      req.prompt_token_ids[start + 1:last_scored + 1]))
-            token_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, end))
             num_blocks = (end + bs - 1) // bs
-            if n == 1:
+            if n == 1:  # a decode row (most rows of most steps): no per-token loops
+                token_ids.append(req.all_token_ids[start])
+                positions.append(start)
+                slots.append(req.block_ids[start // bs] * bs + start % bs)
                 decode_idx.append(t0)
                 decode_tables.append(req.block_ids[:num_blocks])
                 decode_lens.append(end)
             else:
+                token_ids.extend(req.all_token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, end))
                 prefills.append(PrefillSeq(t0, n, end, torch.tensor(req.block_ids[:num_blocks], device=self.device)))
             if end == req.num_tokens:  # prompt complete: this step yields the next token
                 sample_idx.append(t0 + n - 1)

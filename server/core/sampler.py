@@ -52,19 +52,33 @@ def _choose(row_V: torch.Tensor, req: Request, generator: torch.Generator | None
     return int(torch.multinomial(row_V.softmax(-1), 1, generator=gen))
 
 
+def _plain_greedy(req: Request) -> bool:
+    """Argmax with nothing to ban: the batch's argmax answers it, without a per-row tensor op."""
+    return req.sampling_params.greedy and req.num_output_tokens >= req.sampling_params.min_tokens
+
+
 def sample(logits_BV: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None) -> list[SampleResult]:
     logits_BV = logits_BV.float()
     logprobs_BV = logits_BV.log_softmax(dim=-1)
-    results = []
+    argmax_B = logits_BV.argmax(dim=-1).tolist()  # plain greedy rows: one op for the whole batch
+    tokens_B: list[int] = []
+    errors: dict[int, str] = {}
     for i, req in enumerate(requests):
         try:
-            token = _choose(logits_BV[i], req, generator)
-            n_top = req.sampling_params.logprobs
-            top = None
-            if n_top:
-                values, ids = logprobs_BV[i].topk(n_top)
-                top = dict(zip(ids.tolist(), values.tolist()))
-            results.append(SampleResult(token, float(logprobs_BV[i, token]), top))
+            tokens_B.append(argmax_B[i] if _plain_greedy(req) else _choose(logits_BV[i], req, generator))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
-            results.append(SampleResult(-1, 0.0, None, error=f"sampling failed: {type(exc).__name__}: {exc}"))
+            tokens_B.append(0)
+            errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+    chosen_B = logprobs_BV.gather(1, torch.tensor(tokens_B, dtype=torch.long).unsqueeze(1))[:, 0].tolist()
+    results = []
+    for i, req in enumerate(requests):
+        if i in errors:
+            results.append(SampleResult(-1, 0.0, None, error=errors[i]))
+            continue
+        n_top = req.sampling_params.logprobs
+        top = None
+        if n_top:
+            values, ids = logprobs_BV[i].topk(n_top)
+            top = dict(zip(ids.tolist(), values.tolist()))
+        results.append(SampleResult(tokens_B[i], chosen_B[i], top))
     return results
