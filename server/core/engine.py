@@ -34,6 +34,7 @@ from moe_serve.server.core.sampler import SampleResult
 from moe_serve.server.core.sampling_params import SamplingParams
 from moe_serve.server.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from moe_serve.server.core.startup import PhaseTimer
+from moe_serve.server.core.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,10 @@ class EngineCore:
         with timer.phase("parallel_init"):
             self.parallel = init_parallel(pcfg, device=None if config.device == "auto" else config.device)
             log_rank_table(self.parallel)
+        self.structured = StructuredOutputs(config.model, mc.vocab_size, self.eos_token_id)
         self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size, self.parallel,
-                                  seed=config.seed, placement=self._initial_placement(num_slots), startup=timer)
+                                  seed=config.seed, placement=self._initial_placement(num_slots), startup=timer,
+                                  structured=self.structured)
         log.info("loaded %s (%s) in %.1f s", config.model, str(self.dtype).removeprefix("torch."),
                  timer.seconds["weight_load"] + timer.seconds["kv_cache"])
         self.expert_load_recorder = None
@@ -113,6 +116,8 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id)
+        if params.structured_output is not None:
+            req.grammar = self.structured.matcher(params.structured_output)  # ValueError if it does not compile
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return request_id
@@ -168,6 +173,8 @@ class EngineCore:
                                    num_cached_tokens=req.num_cached_tokens)
                 if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
                     out.prompt_logprobs = req.prompt_logprobs
+                if req.grammar is not None:
+                    req.grammar.accept(result.token_id)
                 status = self._check_stop(req, result.token_id)
                 if status is not None:
                     self.scheduler.finish_request(req, status)
@@ -195,6 +202,8 @@ class EngineCore:
         """Token-level stop conditions after `token_id` was appended (stop strings are the front end's)."""
         p = req.sampling_params
         n_out = req.num_output_tokens
+        if req.grammar is not None and req.grammar.terminated:  # the grammar allows nothing more (its EOS came)
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token_id == req.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED

@@ -18,6 +18,7 @@ import time
 import torch
 
 from moe_serve.server.core.sampling_params import SamplingParams
+from moe_serve.server.core.structured import Matcher
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +66,7 @@ class Request:
         self.finish_reason: str | None = None   # "stop" / "length" / "abort", set when finished
         self.stop_reason: int | None = None     # the stop token id that matched (stop strings: the front end)
         self.prompt_logprobs: list[dict[int, float]] = []  # per prompt position p >= 1, when asked for
+        self.grammar: Matcher | None = None  # the structured_output grammar's state (server/core/structured.py)
         # the request's own generator when it set a seed (its draws then do not depend on the batch)
         seed = sampling_params.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from moe_serve.server.core.request import Request
 from moe_serve.server.core.sampler import SampleResult, sample
 from moe_serve.server.core.scheduler import ScheduledRequest, SchedulerOutput
 from moe_serve.server.core.startup import PhaseTimer
+from moe_serve.server.core.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int,
                  state: ParallelState, seed: int = 0, placement: dict[int, list[int]] | None = None,
-                 startup: PhaseTimer | None = None):
+                 startup: PhaseTimer | None = None, structured: StructuredOutputs | None = None):
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, state.device, block_size
         self.compute_dtype = compute_dtype(dtype, state.device)
         if self.compute_dtype != dtype:
@@ -117,6 +119,8 @@ class ModelRunner:
             self.kv_caches = [torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=self.device)
                               for _ in range(self.model.num_local_layers)]
         self.generator = torch.Generator().manual_seed(seed)
+        self.structured = structured
+        self._mask_worker: ThreadPoolExecutor | None = None  # fills grammar masks while the forward runs
         log.info("layers [%d, %d); KV cache: %d blocks x %d tokens, %.1f MiB", *layer_range, num_blocks, block_size,
                  sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)
 
@@ -171,6 +175,25 @@ class ModelRunner:
         inputs = (torch.tensor(token_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev))
         return inputs, meta, sample_idx, sample_reqs, prompt_rows
 
+    def _start_masks(self, sample_reqs: list[Request]):
+        """Grammar rows of this step's sampling: (rows, the future of their bitmasks), filled off the step path."""
+        rows = [i for i, req in enumerate(sample_reqs) if req.grammar is not None]
+        if not rows:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        matchers = [sample_reqs[i].grammar for i in rows]
+        return rows, self._mask_worker.submit(self.structured.fill, rows, matchers, len(sample_reqs))
+
+    def _masked(self, logits_BV: torch.Tensor, masks) -> torch.Tensor | None:
+        if masks is None:
+            return None
+        rows, future = masks
+        bitmask, bans = future.result()
+        masked_BV = logits_BV.float().clone()
+        self.structured.apply(masked_BV, rows, bitmask, bans)
+        return masked_BV
+
     def _prompt_logprobs(self, hidden_TH: torch.Tensor, rows: list[PromptLogprobRows]) -> dict[str, tuple]:
         """Per request: (first position scored, [{next prompt token: logprob, top alternatives...}])."""
         flat = [t for r in rows for t in r.token_rows]
@@ -206,14 +229,15 @@ class ModelRunner:
         pending_sends = []
         for part in parts:
             (input_ids_T, positions_T), meta, sample_idx, sample_reqs, prompt_rows = self._prepare(part)
+            masks = self._start_masks(sample_reqs) if last else None
             hidden_in = None if first else comm.recv_tensor(pp.index - 1, pp)
             hidden_TH = self.model(input_ids_T, positions_T, self.kv_caches, meta, hidden_in)
             if not last:
                 pending_sends.append(comm.isend_tensor(hidden_TH, pp.index + 1, pp))
                 continue
             if sample_reqs:
-                logits_BV = self.model.compute_logits(hidden_TH[torch.tensor(sample_idx, device=self.device)])
-                samples = sample(logits_BV.cpu(), sample_reqs, self.generator)
+                logits_BV = self.model.compute_logits(hidden_TH[torch.tensor(sample_idx, device=self.device)]).cpu()
+                samples = sample(logits_BV, sample_reqs, self.generator, self._masked(logits_BV, masks))
                 results.update({req.request_id: r for req, r in zip(sample_reqs, samples)})
             if prompt_rows:
                 prompt_lps.update(self._prompt_logprobs(hidden_TH, prompt_rows))

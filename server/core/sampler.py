@@ -39,7 +39,8 @@ def _filter_top_k_top_p(logits_V: torch.Tensor, top_k: int, top_p: float) -> tor
 def _choose(row_V: torch.Tensor, req: Request, generator: torch.Generator | None) -> int:
     """One row's next token (greedy, or temperature / top-k / top-p then a draw)."""
     p = req.sampling_params
-    if req.num_output_tokens < p.min_tokens:  # EOS and stop ids are not allowed yet
+    if req.num_output_tokens < p.min_tokens and req.grammar is None:  # EOS and stop ids not allowed yet (a grammar
+        # decides for itself: its end allows only EOS)
         banned = [t for t in ([] if req.eos_token_id is None else [req.eos_token_id]) + list(p.stop_token_ids or [])
                   if t < row_V.numel()]
         if banned:
@@ -54,18 +55,23 @@ def _choose(row_V: torch.Tensor, req: Request, generator: torch.Generator | None
 
 def _plain_greedy(req: Request) -> bool:
     """Argmax with nothing to ban: the batch's argmax answers it, without a per-row tensor op."""
-    return req.sampling_params.greedy and req.num_output_tokens >= req.sampling_params.min_tokens
+    return req.sampling_params.greedy and (req.num_output_tokens >= req.sampling_params.min_tokens
+                                           or req.grammar is not None)
 
 
-def sample(logits_BV: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None) -> list[SampleResult]:
+def sample(logits_BV: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None,
+           masked_BV: torch.Tensor | None = None) -> list[SampleResult]:
+    """masked_BV: the logits with what constrained rows may not produce at -inf (server/core/structured.py);
+    tokens are chosen from it, logprobs come from the model's own distribution."""
     logits_BV = logits_BV.float()
     logprobs_BV = logits_BV.log_softmax(dim=-1)
-    argmax_B = logits_BV.argmax(dim=-1).tolist()  # plain greedy rows: one op for the whole batch
+    choose_BV = logits_BV if masked_BV is None else masked_BV.float()
+    argmax_B = choose_BV.argmax(dim=-1).tolist()  # plain greedy rows: one op for the whole batch
     tokens_B: list[int] = []
     errors: dict[int, str] = {}
     for i, req in enumerate(requests):
         try:
-            tokens_B.append(argmax_B[i] if _plain_greedy(req) else _choose(logits_BV[i], req, generator))
+            tokens_B.append(argmax_B[i] if _plain_greedy(req) else _choose(choose_BV[i], req, generator))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             tokens_B.append(0)
             errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moe_serve.server.core.structured import check_spec
+
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's limit)
 
 
@@ -41,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None              # top logprobs returned besides the chosen token's
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None       # logprob of each prompt token (after the first), + this many top
+    structured_output: dict | None = None    # constrained decoding: {json | json_object | regex | choice | grammar}
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens", "top_k", "min_tokens", "seed"):
@@ -71,6 +74,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+
+        if self.structured_output is not None:
+            check_spec(self.structured_output)
 
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
         for s in stop:

@@ -1,17 +1,19 @@
 """OpenAI-compatible request bodies (pydantic) and the error body every failure is answered with.
 
-Requests map onto `SamplingParams` field by field (`to_sampling_params`); fields OpenAI defines that the
-engine cannot honour (penalties, logit_bias, best_of, suffix, tools) are rejected with a 400 naming the
-field rather than silently ignored. Unknown extra fields are ignored, as vLLM does.
+Requests map onto `SamplingParams` field by field (`to_sampling_params`); `response_format` and vLLM's
+`guided_*` / `structured_outputs` become one structured_output constraint (compiled here first, so a bad
+schema is a 400 naming its field). Fields OpenAI defines that the engine cannot honour (penalties,
+logit_bias, best_of, suffix, tools) are rejected with a 400 naming the field rather than silently ignored. Unknown extra fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from moe_serve.server.core.sampling_params import SamplingParams
+from moe_serve.server.core.structured import grammar_of
 
 Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
@@ -39,6 +41,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or "json_schema"."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
     model_config = ConfigDict(extra="ignore")
@@ -61,6 +78,43 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    # vLLM's structured-output extras (one constraint per request, response_format included)
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
+
+    def _structured_output(self) -> dict | None:
+        """The request's one output constraint as a structured_output spec (server/core/structured.py), checked
+        by compiling its grammar; a 400 naming the field if it does not compile or if two are given."""
+        given: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError("response_format json_schema needs json_schema.schema", param="response_format")
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append((name, {kind: getattr(self, name)}))
+        if self.structured_outputs:
+            set_keys = {k: v for k, v in self.structured_outputs.items() if v not in (None, False)}
+            given.append(("structured_outputs", set_keys))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(f"give one output constraint, not {len(given)} ({', '.join(n for n, _ in given)})",
+                           param=given[1][0])
+        param, spec = given[0]
+        try:
+            grammar_of(spec)
+        except ValueError as exc:
+            raise APIError(f"{param}: {exc}", param=param) from None
+        return spec
 
     def _check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -75,7 +129,8 @@ class _SamplingRequest(BaseModel):
             n=self.n, max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             min_tokens=self.min_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_output=self._structured_output())
         try:
             return SamplingParams(**kw)
         except ValueError as exc:  # SamplingParams names the field first: "max_tokens must be ..."
