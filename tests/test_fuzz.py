@@ -90,15 +90,22 @@ def check_answer(key: str, status: int, headers, body: bytes, what: str) -> None
     counts[status] = counts.get(status, 0) + 1
     assert status < 500 or (status == 503 and headers.get("retry-after")), (status, body[:500], what)
     ctype = headers.get("content-type", "")
+    anthropic_api = "/v1/messages" in key  # Anthropic's shapes: named SSE events, {"type": "error", "error": ...}
     if ctype.startswith("text/event-stream"):
         lines = [ln for ln in body.decode().split("\n") if ln]
+        if anthropic_api:
+            events = [json.loads(ln.removeprefix("data: ")) for ln in lines if ln.startswith("data: ")]
+            assert events and events[-1]["type"] in ("message_stop", "error"), (body[-300:], what)
+            return
         assert lines and lines[-1] == "data: [DONE]", (body[-300:], what)
         for ln in lines[:-1]:
             chunk = json.loads(ln.removeprefix("data: "))
             assert "error" not in chunk or chunk["error"]["code"] < 500, (chunk, what)
     elif ctype.startswith("application/json"):
         doc = json.loads(body)
-        if status >= 400:
+        if status >= 400 and anthropic_api:
+            assert doc["type"] == "error" and set(doc["error"]) >= {"type", "message"}, doc
+        elif status >= 400:
             assert set(doc["error"]) >= {"message", "type", "param", "code"} and doc["error"]["code"] == status, doc
 
 

@@ -2,8 +2,9 @@
 tokens that grammar allows next.
 
 A spec is a dict with exactly one key (`check_spec` says which are valid): `json` (a JSON schema, as text or
-a dict), `json_object` (any JSON object), `regex`, `choice` (a list of strings: the output is one of them)
-or `grammar` (EBNF, xgrammar's dialect). xgrammar compiles it against the model's vocabulary once per
+a dict), `json_object` (any JSON object), `regex`, `choice` (a list of strings: the output is one of them),
+`grammar` (EBNF, xgrammar's dialect) or `tagged_json` ({begin, end, options: [{prefix, schema, suffix}]}:
+begin, then one option's prefix, a JSON value of its schema and its suffix, then end; what a tool call is). xgrammar compiles it against the model's vocabulary once per
 distinct spec (its compiler caches); each constrained request holds a matcher that every sampled token
 advances, and the sampler masks the logits of its row with the matcher's next-token bitmask (filled in a
 worker thread while the model's forward pass runs: server/core/runner.py).
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "tagged_json")
 
 
 def check_spec(spec: object) -> None:
@@ -32,10 +33,15 @@ def check_spec(spec: object) -> None:
     kind, value = next(iter(spec.items()))
     ok = {"json": isinstance(value, (str, dict)), "json_object": value is True, "regex": isinstance(value, str),
           "grammar": isinstance(value, str),
-          "choice": isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)}[kind]
+          "choice": isinstance(value, list) and value and all(isinstance(c, str) and c for c in value),
+          "tagged_json": isinstance(value, dict) and isinstance(value.get("begin"), str)
+          and isinstance(value.get("end"), str) and isinstance(value.get("options"), list) and value["options"]
+          and all(isinstance(o, dict) and isinstance(o.get("prefix"), str) and isinstance(o.get("suffix"), str)
+                  and isinstance(o.get("schema"), dict) for o in value["options"])}[kind]
     if not ok:
         want = {"json": "a JSON schema (object or text)", "json_object": "true", "regex": "a regular expression",
-                "grammar": "an EBNF grammar", "choice": "a non-empty list of non-empty strings"}[kind]
+                "grammar": "an EBNF grammar", "choice": "a non-empty list of non-empty strings",
+                "tagged_json": "{begin, end, options: [{prefix, schema, suffix}, ...]}"}[kind]
         raise ValueError(f"structured_output.{kind} must be {want}, got {value!r}")
 
 
@@ -59,6 +65,19 @@ def grammar_of(spec: dict):
             return xgr.Grammar.from_regex(value)
         if kind == "choice":
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_literal(c) for c in value))
+        if kind == "tagged_json":
+            def literal(text: str):
+                return xgr.Grammar.from_ebnf("root ::= " + _ebnf_literal(text)) if text else None
+
+            def seq(*parts):
+                parts = [p for p in parts if p is not None]
+                return parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts)
+
+            options = [seq(literal(o["prefix"]), xgr.Grammar.from_json_schema(json.dumps(o["schema"]),
+                                                                           any_whitespace=False), literal(o["suffix"]))
+                       for o in value["options"]]
+            return seq(literal(value["begin"]), options[0] if len(options) == 1 else xgr.Grammar.union(*options),
+                       literal(value["end"]))
         return xgr.Grammar.from_ebnf(value)
     except (RuntimeError, ValueError, TypeError) as exc:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

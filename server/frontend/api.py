@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moe_serve.server.frontend import anthropic
 from moe_serve.server.frontend.engine_client import EngineClient, EngineFailure, Sink
 from moe_serve.server.frontend.metrics import Metrics
 from moe_serve.server.frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -64,14 +65,18 @@ class APIKeyMiddleware:
     """Pure ASGI (streaming and disconnect detection pass through untouched); constant-time compare."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
         protected = path.startswith("/v1") or path in RECORD_ROUTES
         if scope["type"] == "http" and scope.get("method") != "OPTIONS" and protected:
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"")
+            anthropic_key = headers.get(b"x-api-key")  # how Anthropic's clients send it (/v1/messages)
+            ok = hmac.compare_digest(auth, self.expected) or (
+                anthropic_key is not None and hmac.compare_digest(anthropic_key, self.key))
+            if not ok:
                 await JSONResponse(error_body("invalid or missing API key: send 'Authorization: Bearer <key>'", 401),
                                    status_code=401)(scope, receive, send)
                 return
@@ -123,28 +128,35 @@ def build_app(args: ServerArgs) -> FastAPI:
         return c
 
     # ---- errors -----------------------------------------------------------------------------------
+    def _error(request: Request, message: str, status: int, param: str | None = None,
+               headers: dict | None = None) -> JSONResponse:
+        """OpenAI's error body, or Anthropic's on /v1/messages (each client parses its own)."""
+        body = anthropic.error_body(message, status) if request.url.path.startswith("/v1/messages") else \
+            error_body(message, status, param)
+        return JSONResponse(body, status_code=status, headers=headers)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return _error(request, exc.message, exc.status, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         err = (exc.errors() or [{}])[0]
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
-            return JSONResponse(error_body(f"the request body is not valid JSON: {err.get('msg', '')}", 400), 400)
+            return _error(request, f"the request body is not valid JSON: {err.get('msg', '')}", 400)
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        return JSONResponse(error_body(f"{where}: {err.get('msg', 'invalid value')}", 400, param), status_code=400)
+        return _error(request, f"{where}: {err.get('msg', 'invalid value')}", 400, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+        return _error(request, str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
+        return _error(request, f"internal error: {type(exc).__name__}: {exc}", 500)
 
     # ---- OpenAI routes ----------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -156,6 +168,11 @@ def build_app(args: ServerArgs) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         client()
         return await serving().chat(body, raw)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(body: anthropic.MessagesRequest, raw: Request):
+        client()
+        return await anthropic.messages(serving(), body, raw)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

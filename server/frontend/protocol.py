@@ -3,17 +3,22 @@
 Requests map onto `SamplingParams` field by field (`to_sampling_params`); `response_format` and vLLM's
 `guided_*` / `structured_outputs` become one structured_output constraint (compiled here first, so a bad
 schema is a 400 naming its field). Fields OpenAI defines that the engine cannot honour (penalties,
-logit_bias, best_of, suffix, tools) are rejected with a 400 naming the field rather than silently ignored. Unknown extra fields are ignored, as vLLM does.
+logit_bias, best_of, suffix) are rejected with a 400 naming the field rather than silently ignored. Tools and
+tool_choice map onto DeepSeek-V3's tool-call format (server/frontend/tools.py). Unknown extra fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from moe_serve.server.core.sampling_params import SamplingParams
 from moe_serve.server.core.structured import grammar_of
+from moe_serve.server.frontend.tools import Function
+from moe_serve.server.frontend.tools import constraint as tool_constraint
 
 Prompt = str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
@@ -167,17 +172,70 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def tool_functions(tools: list[ToolDef] | None) -> list[Function]:
+    return [Function(t.function.name, t.function.description or "", t.function.parameters or {"type": "object"})
+            for t in tools or []]
+
+
+def check_history(messages: list[ChatMessage]) -> None:
+    """Tool calls in the history must carry JSON arguments; a 400 naming the message otherwise."""
+    for i, m in enumerate(messages):
+        for call in m.tool_calls or []:
+            try:
+                json.loads(call.function.arguments)
+            except json.JSONDecodeError as exc:
+                raise APIError(f"messages[{i}].tool_calls: arguments of {call.function.name!r} are not valid JSON "
+                               f"({exc.msg})", param="messages") from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -186,23 +244,45 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_generation_prompt: bool = True  # vLLM extra
 
+    def tool_mode(self) -> tuple[str, list[Function]]:
+        """("none" | "auto" | "required", the functions offered); a named choice is "required" of that one."""
+        functions = tool_functions(self.tools)
+        choice = self.tool_choice
+        if not functions:
+            if choice not in (None, "none"):
+                raise APIError("tool_choice needs tools", param="tool_choice")
+            return "none", []
+        if isinstance(choice, NamedToolChoice):
+            chosen = [f for f in functions if f.name == choice.function.name]
+            if not chosen:
+                raise APIError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                               f"{[f.name for f in functions]}", param="tool_choice")
+            return "required", chosen
+        return choice or "auto", functions
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise APIError("tools are not supported", param="tools")
+        check_history(self.messages)
+        mode, functions = self.tool_mode()
+        if mode == "required" and (self.response_format is not None and self.response_format.type != "text"):
+            raise APIError("response_format cannot be combined with a required tool call", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self._sampling_params(max_tokens, logprobs, "top_logprobs")
+            params = self._sampling_params(max_tokens, logprobs, "top_logprobs")
         except APIError as exc:
             if exc.param == "max_tokens":
                 exc.param = param
             raise
+        if mode == "required":  # decoding is constrained to one valid call of the chosen function(s)
+            params = dataclasses.replace(params, structured_output=tool_constraint(functions))
+        return params
 
 
 class TokenizeRequest(BaseModel):

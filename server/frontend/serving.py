@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from moe_serve.server.core.sampling_params import SamplingParams
+from moe_serve.server.frontend import tools
 from moe_serve.server.frontend.engine_client import EngineClient, EngineFailure, Sink
 from moe_serve.server.frontend.output_processor import RequestState
 from moe_serve.server.frontend.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -261,20 +262,46 @@ class OpenAIServing:
         return JSONResponse({**head, "choices": out, "usage": self.usage(prompts, choices)})
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------
-    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    @staticmethod
+    def chat_dicts(messages: list[ChatMessage], functions: list[tools.Function]) -> list[dict]:
+        """Messages for the chat template: earlier tool calls and results in DeepSeek-V3's format, and the offered
+        functions described in the (first) system message."""
+        out = []
+        for m in messages:
+            content = m.text()
+            if m.role == "tool":
+                content = tools.results_text([content])
+            elif m.tool_calls:
+                content += tools.calls_text([(c.function.name, c.function.arguments) for c in m.tool_calls])
+            out.append({"role": m.role, "content": content})
+        if functions:
+            described = tools.system_prompt(functions)
+            if out and out[0]["role"] == "system":
+                out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
+            else:
+                out.insert(0, {"role": "system", "content": described})
+        return out
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                                      add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the messages
             raise APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
-        if not body.messages:
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        if not messages:
             raise APIError("messages is empty: give at least one message", param="messages")
-        text = self._chat_text(body.messages, body.add_generation_prompt)
+        text = self._render(messages, add_generation_prompt)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         self.check_prompt(ids, "messages")
         return text, ids
+
+    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        return self._render(self.chat_dicts(messages, []), add_generation_prompt)
+
+    def _chat_prompt(self, body: ChatCompletionRequest, functions: list[tools.Function]) -> tuple[str, list[int]]:
+        return self.chat_prompt_ids(self.chat_dicts(body.messages, functions), body.add_generation_prompt)
 
     # ---- /tokenize, /detokenize (vLLM's) ---------------------------------------------------------------
     def tokenize(self, body: TokenizeRequest) -> dict:
@@ -308,7 +335,8 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         model = self.check_model(body.model)
         params = body.to_sampling_params()
-        prompts = [self._chat_prompt(body)]
+        mode, functions = body.tool_mode()
+        prompts = [self._chat_prompt(body, functions if mode != "none" else [])]
         self.check_fits(prompts, params, "max_completion_tokens" if body.max_completion_tokens is not None
                         else "max_tokens")
         request_id, choices, queue = self.start(prompts, params, "chatcmpl", body.stream)
@@ -324,14 +352,17 @@ class OpenAIServing:
                 for c in choices:
                     yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}], **usage_null})
+                parsers = {c.index: tools.StreamParser() for c in choices} if mode != "none" else {}
                 async for c, n_new in self.events(choices, queue):
-                    delta = c.stream_delta()
+                    delta = self._chat_delta(c.stream_delta(), parsers.get(c.index), c.finished)
                     if not delta and not c.finished and not (body.logprobs and n_new):
                         continue
                     lp = self._chat_logprobs(c, len(c.token_ids) - n_new, top_n) if body.logprobs else None
-                    yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": delta} if delta else {},
-                                                     "logprobs": lp, "finish_reason": c.finish_reason,
-                                                     "stop_reason": c.stop_reason}], **usage_null})
+                    finish = "tool_calls" if c.finished and c.index in parsers and parsers[c.index].calls \
+                        else c.finish_reason
+                    yield _sse({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                                     "finish_reason": finish, "stop_reason": c.stop_reason}],
+                                **usage_null})
                 if body.include_usage:
                     yield _sse({**head, "choices": [], "usage": self.usage(prompts, choices)})
                 yield _sse("[DONE]")
@@ -339,7 +370,33 @@ class OpenAIServing:
 
         if not await self.collect(raw, choices, queue):
             return JSONResponse(error_body("client disconnected", 400), status_code=400)
-        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c, 0, top_n) if body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+        out = []
+        for c in choices:
+            content, calls = tools.parse(c.text) if mode != "none" else (c.text, [])
+            message = {"role": "assistant", "content": content or (None if calls else "")}
+            if calls:
+                message["tool_calls"] = [{"id": k.id, "type": "function", "function": {"name": k.name,
+                                                                                   "arguments": k.arguments}}
+                                         for k in calls]
+            out.append({"index": c.index, "message": message,
+                        "logprobs": self._chat_logprobs(c, 0, top_n) if body.logprobs else None,
+                        "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({**head, "choices": out, "usage": self.usage(prompts, choices)})
+
+    @staticmethod
+    def _chat_delta(text: str, parser: tools.StreamParser | None, finished: bool) -> dict:
+        """A chat chunk's delta: the text, or with tools offered, its content and tool-call pieces (OpenAI's
+        streamed tool_calls: id, name and empty arguments first, then the arguments as they are generated)."""
+        if parser is None:
+            return {"content": text} if text else {}
+        delta: dict = {}
+        for event in parser.feed(text, final=finished):
+            if event[0] == "content":
+                delta["content"] = delta.get("content", "") + event[1]
+            elif event[0] == "call":
+                delta.setdefault("tool_calls", []).append(
+                    {"index": event[1], "id": event[2], "type": "function",
+                     "function": {"name": event[3], "arguments": ""}})
+            else:
+                delta.setdefault("tool_calls", []).append({"index": event[1], "function": {"arguments": event[2]}})
+        return delta
