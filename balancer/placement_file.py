@@ -57,7 +57,8 @@ def initial_placement(moe_layers: list[int], num_experts: int, num_slots: int, e
 
 
 def what_if(load_LE: torch.Tensor, ep_size: int, num_redundant: int, num_nodes: int = 1, num_groups: int = 1,
-            current_LR: torch.Tensor | None = None, expert_bytes: int | None = None) -> dict:
+            current_LR: torch.Tensor | None = None, expert_bytes: int | None = None,
+            layer_ids: list[int] | None = None) -> dict:
     """Predicted effect of replanning: balancedness per layer against the no-replication layout (slot i
     holds expert i), slots moved from the current placement, and the extra memory of redundant slots."""
     L, E = load_LE.shape
@@ -69,6 +70,7 @@ def what_if(load_LE: torch.Tensor, ep_size: int, num_redundant: int, num_nodes: 
                                       previous=current_LR if current_LR is not None and current_LR.shape[1] == R else None)
     report = {
         "num_layers": L, "num_experts": E, "num_slots": R, "ep_size": ep_size, "num_nodes": num_nodes,
+        "layer_ids": list(layer_ids) if layer_ids is not None else list(range(L)),  # decoder-layer indices
         "balancedness_no_replication": balancedness(load_LE.double(), baseline_LR, ep_size).tolist(),
         "balancedness_planned": balancedness(load_LE.double(), plan_LR, ep_size).tolist(),
         "phy2log": plan_LR.tolist(),
@@ -87,9 +89,9 @@ def format_what_if(report: dict) -> str:
     lines = [f"{report['num_layers']} MoE layers, {report['num_experts']} experts -> {report['num_slots']} slots on "
              f"{report['ep_size']} EP ranks ({report['num_nodes']} node(s))",
              f"{'layer':>5} {'no replication':>15} {'planned':>8}" + (f" {'current':>8}" if "balancedness_current" in report else "")]
-    for j, (b, p) in enumerate(zip(base, plan)):
+    for j, (layer, b, p) in enumerate(zip(report["layer_ids"], base, plan)):
         cur = f" {report['balancedness_current'][j]:>8.3f}" if "balancedness_current" in report else ""
-        lines.append(f"{j:>5} {b:>15.3f} {p:>8.3f}{cur}")
+        lines.append(f"{layer:>5} {b:>15.3f} {p:>8.3f}{cur}")
     lines.append(f" mean {sum(base) / len(base):>15.3f} {sum(plan) / len(plan):>8.3f}")
     if "slots_moved" in report:
         lines.append(f"slots that would load new weights: {report['slots_moved']} of "

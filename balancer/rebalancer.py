@@ -29,6 +29,7 @@ class EplbConfig:
     interval: int = 3000  # steps between plans
     num_redundant_experts: int = 0  # extra physical slots per MoE layer, over the whole EP group
     layers_per_step: int = 1  # layers whose weights move after one step
+    min_gain: float = 0.01  # a periodic plan moves weights only if mean balancedness rises by at least this
 
     def __post_init__(self) -> None:
         for name in ("window", "interval", "layers_per_step"):
@@ -36,6 +37,8 @@ class EplbConfig:
                 raise ValueError(f"eplb {name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts!r}")
+        if not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain <= 1:
+            raise ValueError(f"eplb min_gain must be in [0, 1], got {self.min_gain!r}")
 
     @classmethod
     def from_dict(cls, raw: dict) -> "EplbConfig":
@@ -80,13 +83,21 @@ class Rebalancer:
         elif self.config.enable_eplb and self.steps % self.config.interval == 0:
             self.plan()
 
-    def plan(self) -> int:
-        """Plan from the window's load; queue the layers whose placement changes. Returns their count."""
+    def plan(self, min_gain: float | None = None) -> int:
+        """Plan from the window's load; queue the layers whose placement changes, unless the plan raises the mean
+        balancedness by less than `min_gain` (default: the config's), so a balanced deployment moves nothing.
+        Returns how many layers were queued."""
+        min_gain = self.config.min_gain if min_gain is None else min_gain
         load_LE = self.window_load()
         current_LR = self.current_placement()
         phy2log_LR, _, _ = rebalance_experts(load_LE, current_LR.shape[1], self.num_groups, 1, self.ep_size,
                                              previous=current_LR)
         before, after = balancedness(load_LE, current_LR, self.ep_size), balancedness(load_LE, phy2log_LR, self.ep_size)
+        gain = (after.mean() - before.mean()).item()
+        if gain < min_gain:
+            log.info("eplb: no move, balancedness %.3f -> %.3f gains %.4f < %.4f", before.mean().item(),
+                     after.mean().item(), gain, min_gain)
+            return 0
         self.pending = [(layer, phy2log_LR[j].tolist()) for j, layer in enumerate(self.layers)
                         if not torch.equal(phy2log_LR[j], current_LR[j])]
         self.num_rebalances += 1
@@ -95,9 +106,10 @@ class Rebalancer:
         return len(self.pending)
 
     def rebalance_now(self) -> int:
-        """Plan and move every changed layer at once (between steps). Returns slots that loaded weights."""
+        """Plan and move every changed layer at once (between steps), whatever the gain. Returns slots that
+        loaded weights."""
         moved_before = self.slots_moved
-        self.plan()
+        self.plan(min_gain=float("-inf"))
         self._apply(len(self.pending))
         return self.slots_moved - moved_before
 

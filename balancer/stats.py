@@ -148,6 +148,22 @@ class ExpertLoadRecorder:
         self.steps_total += 1
         self.steps_recorded += int(self.recording)
 
+    def discard_step(self) -> None:
+        """Close a step that must not count (a dummy batch of a DP rank with no work): its counts are dropped and
+        the window keeps its real steps."""
+        self._step_LE.zero_()
+        if self._measured_slots:
+            self._step_LR.zero_()
+
+    def reset(self) -> None:
+        """Forget everything recorded so far (the server calls it after its warm-up generation)."""
+        for t in (self._step_LE, self._ring_WLE, self._total_LE, self._record_LE, self._step_LR, self._ring_WLR,
+                  self._total_LR, self._record_LR):
+            if t is not None:
+                t.zero_()
+        self._pos = 0
+        self.steps_total = self.steps_recorded = 0
+
     def start_record(self) -> None:
         """Start a fresh recording (earlier recorded counts are dropped)."""
         self._record_LE.zero_()

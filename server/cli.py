@@ -82,15 +82,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     eplb = json.loads(args.eplb_config) if args.eplb_config else {}
     if not isinstance(eplb, dict):
         raise ValueError("--eplb-config must be a JSON object, e.g. '{\"window\": 1000, \"interval\": 3000}'")
-    unknown = sorted(set(eplb) - {"window", "interval", "layers_per_step", "num_redundant_experts"})
+    unknown = sorted(set(eplb) - {"window", "interval", "layers_per_step", "num_redundant_experts", "min_gain"})
     if unknown:
         raise ValueError(f"--eplb-config has unknown field(s) {unknown}; known: window, interval, layers_per_step, "
-                         "num_redundant_experts")
+                         "num_redundant_experts, min_gain")
     kwargs = dict(model=args.model, **_engine_kwargs(args), eplb_window=eplb.get("window", args.expert_load_window),
                   tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                   data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
                   enable_eplb=args.enable_eplb, eplb_interval=eplb.get("interval", 3000),
-                  eplb_layers_per_step=eplb.get("layers_per_step", 1),
+                  eplb_layers_per_step=eplb.get("layers_per_step", 1), eplb_min_gain=eplb.get("min_gain", 0.01),
                   num_redundant_experts=eplb.get("num_redundant_experts", args.num_redundant_experts),
                   expert_placement=args.expert_placement)
     EngineConfig(**kwargs)  # bad flags fail here, with one line, before any process starts
@@ -134,7 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(mc.torch_dtype or "bfloat16", 2)
         expert_bytes = 3 * mc.hidden_size * mc.moe_intermediate_size * itemsize
     report = what_if(dump["load"], args.ep, args.redundant, args.nodes, current_LR=dump["phy2log"],
-                     expert_bytes=expert_bytes)
+                     expert_bytes=expert_bytes, layer_ids=dump["layer_ids"])
     print(format_what_if(report))
     if args.out:
         Path(args.out).write_text(json.dumps({"layer_ids": dump["layer_ids"], "num_experts": report["num_experts"],
@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts over the TP x DP ranks (EP size 1 with a single rank)")
     s.add_argument("--enable-eplb", action="store_true", help="rebalance expert placement while serving (needs EP)")
     s.add_argument("--eplb-config", default=None,
-                   help='JSON: {"window": steps, "interval": steps, "layers_per_step": n, "num_redundant_experts": n}')
+                   help='JSON: {"window": steps, "interval": steps, "layers_per_step": n, "num_redundant_experts": n, '
+                        '"min_gain": balancedness gain a re-plan must bring (default 0.01)}')
     s.add_argument("--num-redundant-experts", type=int, default=0, help="extra expert slots per MoE layer (needs EP)")
     s.add_argument("--expert-placement", default=None, help="start from this placement file or load dump (JSON)")
     s.add_argument("--expert-load-window", type=int, default=1000,

@@ -30,6 +30,60 @@ def test_window_slides_totals_accumulate():
     assert rec.snapshot().window_LE.tolist() == [[0, 2, 3, 0]]
 
 
+def test_discarded_steps_and_reset_count_nothing():
+    """A dummy batch's step (a DP rank with no work) and the server's warm-up are not load."""
+    rec = ExpertLoadRecorder(1, 3, window_steps=2)
+    rec.record(0, torch.tensor([[1]]))
+    rec.end_step()
+    rec.record(0, torch.tensor([[2]]))  # routed in a step that is then discarded
+    rec.discard_step()
+    snap = rec.snapshot()
+    assert snap.window_LE.tolist() == [[0, 1, 0]] and snap.steps_total == 1
+    rec.reset()
+    snap = rec.snapshot()
+    assert snap.total_LE.sum() == 0 and snap.window_LE.sum() == 0 and snap.steps_total == 0
+    rec.record(0, torch.tensor([[0]]))
+    rec.end_step()
+    assert rec.snapshot().window_LE.tolist() == [[1, 0, 0]]
+
+
+class _Block:
+    """Stands in for an MoE block: its placement and the moves asked of it."""
+
+    def __init__(self, num_experts: int):
+        self.phy2log_R = list(range(num_experts))
+        self.moves = 0
+
+    def relocate_experts(self, phy2log_R: list[int]) -> int:
+        self.moves += 1
+        moved = sum(a != b for a, b in zip(self.phy2log_R, phy2log_R))
+        self.phy2log_R = list(phy2log_R)
+        return moved
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_rebalancer_moves_only_for_a_real_gain(skewed):
+    """A periodic plan that would raise balancedness by less than min_gain moves no weights."""
+    from moe_serve.balancer.rebalancer import EplbConfig, Rebalancer
+
+    blocks = {1: _Block(8), 2: _Block(8)}
+    rec = ExpertLoadRecorder(2, 8, window_steps=4, ep_size=2, layer_ids=[1, 2],
+                             phy2log_LR=torch.tensor([b.phy2log_R for b in blocks.values()]))
+
+    class TwoRanks(Rebalancer):  # plans for 2 EP ranks; the load is this process's (no group to sum over)
+        ep_size = 2
+
+    reb = TwoRanks(EplbConfig(enable_eplb=True, window=4, interval=4, min_gain=0.05), blocks, rec, None, 1)
+    for _ in range(4):
+        for j in range(2):  # skewed: experts 0-3 (rank 0's) get nearly everything
+            ids = torch.tensor([[0], [1], [2], [3]] * 8 + [[4], [5]]) if skewed else torch.arange(8).repeat(4)[:, None]
+            rec.record(j, ids)
+        rec.end_step()
+    queued = reb.plan()
+    assert (queued > 0) == skewed and (reb.num_rebalances == 1) == skewed
+    assert reb.rebalance_now() >= 0  # an explicit rebalance plans whatever the gain
+
+
 def test_record_session():
     rec = ExpertLoadRecorder(1, 2, window_steps=8)
     rec.record(0, torch.tensor([[0]]))

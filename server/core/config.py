@@ -35,6 +35,7 @@ class EngineConfig:
     eplb_window: int = 1000
     eplb_interval: int = 3000
     eplb_layers_per_step: int = 1
+    eplb_min_gain: float = 0.01  # re-plan only when mean balancedness would rise by at least this much
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # a placement file or load dump to start from
 
@@ -60,7 +61,7 @@ class EngineConfig:
 
     def eplb_config(self) -> EplbConfig:
         return EplbConfig(self.enable_eplb, self.eplb_window, self.eplb_interval, self.num_redundant_experts,
-                          self.eplb_layers_per_step)
+                          self.eplb_layers_per_step, self.eplb_min_gain)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,

@@ -146,8 +146,11 @@ class EngineCore:
         self._record_prompt_logprobs(result.prompt_logprobs)
         outputs = self._update(sched, result.sampled)
         if self.expert_load_recorder is not None:
-            self.expert_load_recorder.end_step()
-            self.rebalancer.after_step()  # placement changes only here, between steps
+            if sched.is_empty:  # a dummy batch (this DP rank had no work): not load
+                self.expert_load_recorder.discard_step()
+            else:
+                self.expert_load_recorder.end_step()
+            self.rebalancer.after_step()  # placement changes only here, between steps (every rank, every step)
         return outputs
 
     def _record_prompt_logprobs(self, chunks: dict[str, tuple]) -> None:

@@ -266,6 +266,10 @@ async def _warm_up(client: EngineClient, tokenizer, state: dict, metrics: Metric
             return
         if out.finished:
             break
+    try:  # the warm-up's routing is not load: the expert-load statistics start after it
+        await client.call("expert_load", op="reset")
+    except ValueError:
+        pass  # a model without MoE layers records nothing
     phases = {**state.get("startup", {}), "warmup": time.perf_counter() - t0, "total": since_process_start()}
     for phase, seconds in phases.items():
         metrics.startup.labels(phase).set(seconds)

@@ -4,7 +4,7 @@ Messages are msgpack maps with a "type" (never pickle). Front end -> engine (PUS
     add          {request_id, prompt_token_ids, params (SamplingParams fields)}
     abort        {request_ids}
     stats        {nonce}                        -> reply: engine.stats() + expert-load summary
-    expert_load  {nonce, op: window|total|record|start|stop}  -> reply: ExpertLoadRecorder.to_json / state
+    expert_load  {nonce, op: window|total|record|start|stop|reset}  -> reply: ExpertLoadRecorder.to_json / state
     shutdown     {}
 Engine -> front end (PUSH -> PULL):
     ready        {max_model_len, vocab_size, eos_token_id, kv_cache_tokens_total, pid,
@@ -235,6 +235,9 @@ class EngineLoop:
         if op == "stop":
             self.recorder.stop_record()
             return {"recording": False}
+        if op == "reset":  # after the warm-up generation: its routing is not load
+            self.recorder.reset()
+            return {"reset": True}
         if op not in ("window", "total", "record"):
             raise ValueError(f"unknown expert_load op {op!r}")
         return self.recorder.to_json(op, sum_over=self.dp)  # every DP rank's tokens (all ranks run this)
