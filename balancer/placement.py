@@ -136,3 +136,71 @@ def logical_to_physical(topk_ids_TK: torch.Tensor, log2phy_EX: torch.Tensor, log
     logcnt_TK = logcnt_E.to(device)[topk_ids_TK]
     replica_TK = token_index_T.to(device).view(-1, 1) % logcnt_TK
     return log2phy_EX[topk_ids_TK, replica_TK]
+
+
+class ReplicaChooser:
+    """Per-batch replica choice for one layer: each token's replica is picked from this batch's load on the
+    EP ranks, not split evenly (what `logical_to_physical` does).
+
+    The batch's tokens per expert are counted on the device; experts with one slot load their rank as they
+    must; then each replicated expert, most replicated first (an order fixed by the placement, so no host
+    sync), pours its tokens into its replicas' ranks by water-filling: the least loaded ranks first, until
+    they are level, then evenly; three such sweeps (each expert re-poured given the others' shares). Token j of expert e (in batch order) goes to the replica whose share covers
+    j. Replicas are only ever the expert's own slots; the choice is deterministic.
+    Legend: T tokens, K top-k, E experts, X most replicas of an expert, G EP ranks, R slots.
+    """
+
+    SWEEPS = 3  # one pass is myopic where replicated experts share ranks; the next passes correct it
+
+    def __init__(self, log2phy_EX: torch.Tensor, logcnt_E: torch.Tensor, num_ranks: int):
+        num_slots = int((log2phy_EX >= 0).sum())
+        if num_slots % num_ranks:
+            raise ValueError(f"{num_slots} slots do not divide evenly over {num_ranks} EP ranks")
+        self.log2phy_EX, self.logcnt_E, self.num_ranks = log2phy_EX, logcnt_E, num_ranks
+        per_rank = num_slots // num_ranks
+        self.rank_EX = torch.where(log2phy_EX >= 0, log2phy_EX // per_rank, 0)
+        counts = logcnt_E.tolist()
+        self.replicated = sorted((e for e, c in enumerate(counts) if c > 1), key=lambda e: (-counts[e], e))
+        self.replica_ranks = {e: self.rank_EX[e, :counts[e]] for e in self.replicated}
+
+    def __call__(self, topk_ids_TK: torch.Tensor) -> torch.Tensor:
+        device = topk_ids_TK.device
+        flat_N = topk_ids_TK.reshape(-1)
+        log2phy_EX, logcnt_E, rank_EX = (t.to(device) for t in (self.log2phy_EX, self.logcnt_E, self.rank_EX))
+        num_experts, max_replicas = log2phy_EX.shape
+        count_E = torch.zeros(num_experts, dtype=torch.float64, device=device).index_add_(
+            0, flat_N, torch.ones(flat_N.numel(), dtype=torch.float64, device=device))
+        single_E = logcnt_E == 1
+        load_G = torch.zeros(self.num_ranks, dtype=torch.float64, device=device).index_add_(
+            0, rank_EX[:, 0], count_E * single_E)
+        share_EX = torch.zeros(num_experts, max_replicas, dtype=torch.float64, device=device)
+        share_EX[:, 0] = count_E * single_E
+        for sweep in range(self.SWEEPS):  # each sweep re-pours every replicated expert given all the others
+            for e in self.replicated:
+                ranks = self.replica_ranks[e].to(device)
+                if sweep:
+                    load_G.index_add_(0, ranks, -share_EX[e, :ranks.numel()])
+                share = _water_fill(load_G[ranks], count_E[e])
+                share_EX[e, :ranks.numel()] = share
+                load_G.index_add_(0, ranks, share)
+        # token j (0-based, batch order) of expert e takes the replica whose cumulative share first exceeds j
+        bounds_EX = share_EX.cumsum(1)
+        bounds_EX[torch.arange(max_replicas, device=device) >= logcnt_E.unsqueeze(1)] = float("inf")
+        order_N = flat_N.argsort(stable=True)
+        starts_E = count_E.cumsum(0) - count_E
+        occurrence_N = torch.empty_like(flat_N)
+        occurrence_N[order_N] = torch.arange(flat_N.numel(), device=device) - starts_E[flat_N[order_N]].long()
+        replica_N = (bounds_EX[flat_N] <= occurrence_N.unsqueeze(1).double() + 0.5).sum(1)
+        replica_N = torch.minimum(replica_N, logcnt_E[flat_N] - 1)
+        return log2phy_EX[flat_N, replica_N].view_as(topk_ids_TK)
+
+
+def _water_fill(load_X: torch.Tensor, amount: torch.Tensor) -> torch.Tensor:
+    """How much of `amount` each of X bins gets so that the fullest bins after filling are as low as possible:
+    bins below a common level are raised to it (pure tensor ops: no host sync)."""
+    sorted_X, order_X = load_X.sort()
+    k_X = torch.arange(1, load_X.numel() + 1, dtype=load_X.dtype, device=load_X.device)
+    levels_X = (amount + sorted_X.cumsum(0)) / k_X  # the level if the k lowest bins share everything
+    filled = (levels_X >= sorted_X).sum() - 1  # the last k whose level reaches its own bin
+    level = levels_X.gather(0, filled.reshape(1))
+    return (level - load_X).clamp(min=0.0)

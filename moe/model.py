@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe_serve.balancer.placement import build_log2phy, logical_to_physical
+from moe_serve.balancer.placement import ReplicaChooser, build_log2phy
 from moe_serve.experts.dispatch import DispatchStats, combine, dispatch
 from moe_serve.experts.relocate import relocate
 from moe_serve.experts.router import RouterConfig, route
@@ -94,6 +94,8 @@ class MoEBlock(nn.Module):
         log2phy_1EX, logcnt_1E = build_log2phy(torch.tensor([self.phy2log_R]), self.num_experts)
         device = self.gate.weight.device
         self.log2phy_EX, self.logcnt_E = log2phy_1EX[0].to(device), logcnt_1E[0].to(device)
+        # each token's replica, chosen from the batch's load on the EP ranks (balancer/placement.py)
+        self.replica_chooser = ReplicaChooser(self.log2phy_EX, self.logcnt_E, group_rank_size(self.ep_group)[1])
 
     def relocate_experts(self, new_phy2log_R: list[int]) -> int:
         """Between steps: load the slots whose expert changes from the ranks holding those experts,
@@ -107,8 +109,7 @@ class MoEBlock(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         topk_weights_TK, topk_ids_TK = route(x_TH, self.gate.weight, self.router_config,
                                              self.gate.e_score_correction_bias, self.use_cpu_kernels)
-        phy_ids_TK = topk_ids_TK if self.identity_placement else \
-            logical_to_physical(topk_ids_TK, self.log2phy_EX, self.logcnt_E)
+        phy_ids_TK = topk_ids_TK if self.identity_placement else self.replica_chooser(topk_ids_TK)
         if self.load_recorder is not None:
             self.load_recorder(topk_ids_TK, phy_ids_TK)
         w13, w2 = self.experts.w13, self.experts.w2

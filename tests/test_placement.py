@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_serve.balancer.placement import (balancedness, build_log2phy, gpu_loads, logical_to_physical, moved_slots,
+from moe_serve.balancer.placement import (ReplicaChooser, balancedness, build_log2phy, gpu_loads, logical_to_physical, moved_slots,
                                 replica_counts, validate_plan)
 
 
@@ -94,6 +94,30 @@ def test_logical_to_physical_spreads_a_hot_expert_evenly():
     slots = logical_to_physical(topk_ids, log2phy[0], logcnt[0])
     assert torch.bincount(slots.flatten(), minlength=6).tolist() == [25, 0, 25, 0, 25, 25]
     assert (phy2log[0][slots] == topk_ids).all()
+
+
+def test_replica_chooser_balances_each_batch_within_own_slots():
+    """Per-batch choice: only an expert's own slots; the batch's busiest rank never busier than with the even split
+    (over random batches and placements), and the same batch always gets the same choice."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        num_experts, num_ranks, redundant = 12, 4, 4
+        phy2log = torch.cat([torch.randperm(num_experts, generator=gen),
+                             torch.randint(0, num_experts, (redundant,), generator=gen)])
+        phy2log = phy2log[torch.randperm(len(phy2log), generator=gen)].unsqueeze(0)
+        log2phy, logcnt = build_log2phy(phy2log, num_experts)
+        if (logcnt == 0).any():
+            continue
+        chooser = ReplicaChooser(log2phy[0], logcnt[0], num_ranks)
+        shares = torch.rand(num_experts, generator=gen) ** 3
+        topk_ids = torch.multinomial(shares.expand(64, -1), 2, generator=gen)
+        slots = chooser(topk_ids)
+        assert (phy2log[0][slots] == topk_ids).all()
+        assert torch.equal(slots, chooser(topk_ids.clone()))
+        per_rank = len(phy2log[0]) // num_ranks
+        busiest = (slots.flatten() // per_rank).bincount(minlength=num_ranks).max()
+        even = logical_to_physical(topk_ids, log2phy[0], logcnt[0])
+        assert busiest <= (even.flatten() // per_rank).bincount(minlength=num_ranks).max(), trial
 
 
 def test_replica_counts():
