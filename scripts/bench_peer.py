@@ -60,11 +60,7 @@ SERVED_NAME = "bench"
 
 def cpu_has_bf16() -> bool:
     """bf16 arithmetic in hardware (AVX512-BF16 or AMX); without it a bf16 matmul runs a scalar fallback."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return bool({"avx512_bf16", "amx_bf16"} & set(bench.environment()["cpu_flags"]))
 
 
 def best_dtype(engine: str, choice: str) -> str:

@@ -34,11 +34,11 @@ def token_docs(tokenizer, docs: list[str], max_len: int) -> list[list[int]]:
     return [(tokenizer.encode(d, add_special_tokens=True) + [tokenizer.eos_token_id])[:max_len] for d in docs]
 
 
-def nll_reference(model_dir: Path, docs_ids: list[list[int]]) -> tuple[float, int]:
-    """Summed NLL and token count through transformers' implementation (float32)."""
+def nll_reference(model_dir: Path, docs_ids: list[list[int]], model=None) -> tuple[float, int]:
+    """Summed NLL and token count through transformers' implementation (float32; `model`, or the checkpoint's)."""
     from moe_serve.moe.tiny import load_reference_model
 
-    model = load_reference_model(model_dir, torch.float32)
+    model = model if model is not None else load_reference_model(model_dir, torch.float32)
     total, count = 0.0, 0
     with torch.no_grad():
         for ids in docs_ids:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from eval_perplexity import nll_reference, token_docs
 from moe_serve.moe.tiny import load_reference_model, shipped_layout, write_checkpoint
 from moe_serve.moe.tiny_tokenizer import train_tokenizer
 
@@ -113,15 +114,9 @@ def update_bias(counter: LoadCounter, speed: float) -> float:
     return sum(imbalance) / len(imbalance)
 
 
-@torch.no_grad()
-def perplexity(model, tok, texts: list[str], seq_len: int) -> float:
+def perplexity(model_dir: Path, tok, texts: list[str], seq_len: int, model=None) -> float:
     """exp(mean next-token NLL) over the documents, each scored on its own (<bos> text <eos>, cut at seq_len)."""
-    nll, count = 0.0, 0
-    for text in texts:
-        ids = torch.tensor([(tok.encode(text, add_special_tokens=True) + [tok.eos_token_id])[:seq_len + 1]])
-        logits = model(ids[:, :-1]).logits.float()
-        nll += torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="sum").item()
-        count += ids.shape[1] - 1
+    nll, count = nll_reference(model_dir, token_docs(tok, texts, seq_len + 1), model)
     return math.exp(nll / count)
 
 
@@ -217,8 +212,8 @@ def main() -> int:
     sd = {k: v.detach().float() for k, v in shipped_layout(model.state_dict()).items()}
     write_checkpoint(out, config, sd, tok, "bfloat16", num_shards=1, explicit=ARCH)
     shipped = load_reference_model(out, torch.float32)  # the bf16 weights as shipped
-    ppl_train = perplexity(shipped, tok, train[::HELD_OUT_EVERY][:len(held_out)], args.seq_len)
-    ppl_held = perplexity(shipped, tok, held_out, args.seq_len)
+    ppl_train = perplexity(out, tok, train[::HELD_OUT_EVERY][:len(held_out)], args.seq_len, shipped)
+    ppl_held = perplexity(out, tok, held_out, args.seq_len, shipped)
     (out / "heldout.txt").write_text("\n%\n".join(held_out[:args.heldout_ship]) + "\n")
     plot_loss(history, out / "loss.png")
     train_s = time.perf_counter() - t_start
