@@ -173,6 +173,11 @@ class OpenAIServing:
                 task.cancel()
             self.abort(choices)
 
+    def stream_end(self, head: dict, prompts, choices: list[Choice], include_usage: bool) -> list[str]:
+        """A stream's last chunks: the usage (when asked for, with empty choices), then [DONE]."""
+        usage = [_sse({**head, "choices": [], "usage": self.usage(prompts, choices)})] if include_usage else []
+        return [*usage, _sse("[DONE]")]
+
     def stream(self, gen: AsyncIterator[str], choices: list[Choice]) -> SSEResponse:
         async def guarded():
             try:
@@ -246,9 +251,8 @@ class OpenAIServing:
                     yield _sse({**head, "choices": [{"index": c.index, "text": delta, "logprobs": lp,
                                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
                                 **usage_null})
-                if body.include_usage:
-                    yield _sse({**head, "choices": [], "usage": self.usage(prompts, choices)})
-                yield _sse("[DONE]")
+                for chunk in self.stream_end(head, prompts, choices, body.include_usage):
+                    yield chunk
             return self.stream(gen(), choices)
 
         if not await self.collect(raw, choices, queue):
@@ -363,9 +367,8 @@ class OpenAIServing:
                     yield _sse({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                                      "finish_reason": finish, "stop_reason": c.stop_reason}],
                                 **usage_null})
-                if body.include_usage:
-                    yield _sse({**head, "choices": [], "usage": self.usage(prompts, choices)})
-                yield _sse("[DONE]")
+                for chunk in self.stream_end(head, prompts, choices, body.include_usage):
+                    yield chunk
             return self.stream(gen(), choices)
 
         if not await self.collect(raw, choices, queue):
