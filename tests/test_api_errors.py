@@ -117,6 +117,7 @@ def test_disconnected_streams_free_kv_blocks(server):
     before = _wait_idle(server, 0.0)
     idle_kv = kv_usage(before)
     got_tokens, may_leave = threading.Barrier(21), threading.Event()
+    seen: dict[int, list[str]] = {}  # per stream, the data lines it read (shown if the check below fails)
 
     def stream(i):
         with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
@@ -126,6 +127,8 @@ def test_disconnected_streams_free_kv_blocks(server):
             n = 0
             for line in lines:
                 n += line.startswith("data: {")
+                if line.startswith("data: "):
+                    seen.setdefault(i, []).append(line[:200])
                 if n == 2:
                     break
             got_tokens.wait(60)  # all 20 are mid-way ...
@@ -136,11 +139,11 @@ def test_disconnected_streams_free_kv_blocks(server):
     for t in threads:
         t.start()
     got_tokens.wait(60)
-    deadline = time.monotonic() + 10  # the stats reply is taken between engine steps: allow it one more step
+    deadline = time.monotonic() + 30  # the stats reply is taken between engine steps: allow it later steps
     while (mid := metrics(server))[("moe_num_requests_running", ())] != 20 and time.monotonic() < deadline:
         time.sleep(0.1)
     may_leave.set()
-    assert kv_usage(mid) > idle_kv and mid[("moe_num_requests_running", ())] == 20
+    assert kv_usage(mid) > idle_kv and mid[("moe_num_requests_running", ())] == 20, (mid, seen)
     for t in threads:
         t.join(60)
     after = _wait_idle(server, idle_kv)
