@@ -38,27 +38,28 @@ def plan_moves(old_phy2log_R: list[int], new_phy2log_R: list[int]) -> list[Move]
     return [Move(s, e, first_slot[e]) for s, (o, e) in enumerate(zip(old_phy2log_R, new_phy2log_R)) if o != e]
 
 
-def relocate(w13_S: torch.Tensor, w2_S: torch.Tensor, old_phy2log_R: list[int], new_phy2log_R: list[int],
+def relocate(slot_tensors: list[torch.Tensor], old_phy2log_R: list[int], new_phy2log_R: list[int],
              group: Group | None) -> int:
-    """Rewrite this rank's slots (w13_S [S, 2I, H], w2_S [S, H, I], in place) for the new placement.
-    Returns the number of slots (on all ranks) that loaded new weights."""
-    S = w13_S.shape[0]
+    """Rewrite this rank's slots, in place, for the new placement: every tensor of `slot_tensors` holds one
+    entry per local slot along dim 0 (w13 [S, 2I, H], w2 [S, H, I], and FP8 block scales with them; they
+    travel together as bytes). Returns the number of slots (on all ranks) that loaded new weights."""
+    S = slot_tensors[0].shape[0]
     W, me = (1, 0) if group is None else (group.size, group.index)
     moves = plan_moves(old_phy2log_R, new_phy2log_R)
-    n13 = w13_S[0].numel()
+    sizes = [t[0].numel() * t.element_size() for t in slot_tensors]
 
-    def row(slot: int) -> torch.Tensor:  # one expert's weights as a flat row
-        return torch.cat((w13_S[slot].reshape(-1), w2_S[slot].reshape(-1)))
+    def row(slot: int) -> torch.Tensor:  # one expert's tensors as a flat row of bytes
+        return torch.cat([t[slot].reshape(-1).view(torch.uint8) for t in slot_tensors])
 
     sends = [[m for m in moves if m.src_slot // S == me and m.dst_slot // S == w] for w in range(W)]
     recvs = [[m for m in moves if m.dst_slot // S == me and m.src_slot // S == w] for w in range(W)]
     rows = [row(m.src_slot % S) for w in range(W) for m in sends[w]]
-    send_NX = torch.stack(rows) if rows else w13_S.new_empty(0, n13 + w2_S[0].numel())
+    send_NX = torch.stack(rows) if rows else slot_tensors[0].new_empty(0, sum(sizes), dtype=torch.uint8)
     if W > 1:
         recv_NX = all_to_all_uneven(send_NX, [len(x) for x in sends], [len(x) for x in recvs], group)
     else:
         recv_NX = send_NX
     for m, r in zip([m for w in range(W) for m in recvs[w]], recv_NX):  # written after every row was read
-        w13_S[m.dst_slot % S].copy_(r[:n13].view_as(w13_S[0]))
-        w2_S[m.dst_slot % S].copy_(r[n13:].view_as(w2_S[0]))
+        for t, part in zip(slot_tensors, r.split(sizes)):
+            t[m.dst_slot % S].view(-1).view(torch.uint8).copy_(part)
     return len(moves)

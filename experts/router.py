@@ -1,78 +1,34 @@
-"""The MoE gate: router scores -> top-k expert ids and their weights (logical expert ids).
+"""The MoE gate: router scores -> top-k expert ids and their weights (logical expert ids), through the
+kernel backend's routing op (kernels/routing.py holds its settings and torch reference).
 
-Legend: T = tokens, E = routed experts, G = expert groups, K = experts per token.
+Legend: T = tokens, H = hidden size, E = routed experts, K = experts per token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
-from moe_serve.kernels import cpu_ops
+from moe_serve.kernels import ops
+from moe_serve.kernels.routing import RouterConfig
 from moe_serve.moe.config import ModelConfig
 
-
-@dataclass(frozen=True)
-class RouterConfig:
-    num_experts: int
-    top_k: int
-    topk_method: str  # greedy | group_limited_greedy | noaux_tc
-    scoring_func: str  # softmax | sigmoid
-    num_groups: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-
-    @classmethod
-    def from_model(cls, cfg: ModelConfig) -> "RouterConfig":
-        return cls(
-            num_experts=cfg.n_routed_experts,
-            top_k=cfg.num_experts_per_tok,
-            topk_method=cfg.topk_method,
-            scoring_func=cfg.scoring_func,
-            num_groups=cfg.n_group or 1,
-            topk_group=cfg.topk_group or 1,
-            norm_topk_prob=cfg.norm_topk_prob,
-            routed_scaling_factor=cfg.routed_scaling_factor,
-        )
+__all__ = ["RouterConfig", "router_config", "route"]
 
 
-def _mask_to_top_groups(scores_for_choice_TE: torch.Tensor, group_scores_TG: torch.Tensor, rc: RouterConfig) -> torch.Tensor:
-    """Keep only experts of the `topk_group` best groups; others get -inf so they are never chosen."""
-    T = scores_for_choice_TE.shape[0]
-    group_idx = group_scores_TG.topk(rc.topk_group, dim=-1, sorted=False).indices
-    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, group_idx, True)
-    keep_TE = keep_TG[:, :, None].expand(T, rc.num_groups, rc.num_experts // rc.num_groups).reshape(T, rc.num_experts)
-    return scores_for_choice_TE.masked_fill(~keep_TE, float("-inf"))
+def router_config(cfg: ModelConfig) -> RouterConfig:
+    return RouterConfig(
+        num_experts=cfg.n_routed_experts,
+        top_k=cfg.num_experts_per_tok,
+        topk_method=cfg.topk_method,
+        scoring_func=cfg.scoring_func,
+        num_groups=cfg.n_group or 1,
+        topk_group=cfg.topk_group or 1,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
 
 
-def route(
-    x_TH: torch.Tensor, gate_weight_EH: torch.Tensor, rc: RouterConfig, bias_E: torch.Tensor | None = None,
-    cpu_kernel: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (topk_weights_TK float32, topk_ids_TK int64). The bias steers the choice only.
-    cpu_kernel: route DeepSeek-V3's way (noaux_tc, sigmoid) in one C call on CPU (kernels/cpu_ops.py;
-    this function is its reference)."""
-    if (cpu_kernel and rc.topk_method == "noaux_tc" and rc.scoring_func == "sigmoid"
-            and cpu_ops.route_fits(x_TH, gate_weight_EH, bias_E, rc.num_groups, rc.topk_group, rc.top_k)):
-        return cpu_ops.route_noaux_tc(x_TH, gate_weight_EH, bias_E, rc.num_groups, rc.topk_group, rc.top_k,
-                                      rc.norm_topk_prob, rc.routed_scaling_factor)
-    logits_TE = F.linear(x_TH.float(), gate_weight_EH.float())
-    scores_TE = logits_TE.sigmoid() if rc.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
-    T = scores_TE.shape[0]
-    if rc.topk_method == "greedy":
-        choice_TE = scores_TE
-    elif rc.topk_method == "group_limited_greedy":
-        group_scores_TG = scores_TE.view(T, rc.num_groups, rc.num_experts // rc.num_groups).amax(dim=-1)
-        choice_TE = _mask_to_top_groups(scores_TE, group_scores_TG, rc)
-    else:  # noaux_tc: the correction bias enters the choice; groups rank by their top-2 sum
-        choice_TE = scores_TE + bias_E[None, :].float() if bias_E is not None else scores_TE
-        group_scores_TG = choice_TE.view(T, rc.num_groups, rc.num_experts // rc.num_groups).topk(2, dim=-1).values.sum(dim=-1)
-        choice_TE = _mask_to_top_groups(choice_TE, group_scores_TG, rc)
-    topk_ids_TK = choice_TE.topk(rc.top_k, dim=-1, sorted=False).indices
-    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
-    if rc.norm_topk_prob and rc.top_k > 1:
-        topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_weights_TK * rc.routed_scaling_factor, topk_ids_TK
+def route(x_TH: torch.Tensor, gate_weight_EH: torch.Tensor, rc: RouterConfig,
+          bias_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (topk_weights_TK float32, topk_ids_TK int64). The bias steers the choice only."""
+    return ops.route(x_TH, gate_weight_EH, bias_E, rc)

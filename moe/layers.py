@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moe_serve.kernels import cpu_ops
+from moe_serve.kernels import ops
+from moe_serve.kernels.ops import MLPWeights
 from moe_serve.moe.config import ModelConfig, yarn_mscale
-from moe_serve.moe.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from moe_serve.moe.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -21,12 +21,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.use_cpu_kernel = False  # set where bf16 weights compute in float32 (kernels/cpu_ops.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_cpu_kernel:
-            return cpu_ops.rms_norm(x, self.weight, self.eps)
-        return cpu_ops.rms_norm_reference(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -84,38 +81,29 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleaved = cfg.rope_interleave
-        self.use_cpu_kernel = False  # set where bf16 weights compute in float32 (kernels/cpu_ops.py)
 
     def cos_sin(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs_TR2 = positions_T.float()[:, None] * self.inv_freq[None, :]
         return freqs_TR2.cos() * self.attention_factor, freqs_TR2.sin() * self.attention_factor
 
     def forward(self, x_TNR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Tensor) -> torch.Tensor:
-        if self.use_cpu_kernel:
-            return cpu_ops.rope(x_TNR, cos_TR2, sin_TR2, self.interleaved)
-        return cpu_ops.rope_reference(x_TNR, cos_TR2, sin_TR2, self.interleaved)
+        return ops.rope(x_TNR, cos_TR2, sin_TR2, self.interleaved)
 
 
 class MLP(nn.Module):
     """Dense SiLU-gated MLP (the first dense layers and the shared experts), tensor-parallel over
-    `tp_group` by intermediate columns. With `reduce=False` it returns this rank's partial sum."""
+    `tp_group` by intermediate columns; gate and up projections are one weight (gate rows, then up rows).
+    With `reduce=False` it returns this rank's partial sum."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp_group=None, reduce: bool = True):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_group=None, reduce: bool = True,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp_group)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp_group)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_group, reduce=reduce)
-        self.w13: torch.Tensor | None = None  # set by hold_gate_up_together
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp_group, fp8_block)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_group, reduce=reduce, fp8_block=fp8_block)
 
-    def hold_gate_up_together(self) -> None:
-        """Hold the gate and up weights as one tensor (gate rows, then up rows; the two linears' weights become
-        views of it) and the down weight contiguous, for the CPU kernels that run an MLP in one call. Once."""
-        if self.w13 is not None:
-            return
-        self.w13 = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data]).contiguous()
-        rows = self.gate_proj.weight.shape[0]
-        self.gate_proj.weight.data, self.up_proj.weight.data = self.w13[:rows], self.w13[rows:]
-        self.down_proj.weight.data = self.down_proj.weight.data.contiguous()
+    def weights(self) -> MLPWeights:
+        return MLPWeights(self.gate_up_proj.weight, self.down_proj.weight, self.gate_up_proj.weight_scale_inv,
+                          self.down_proj.weight_scale_inv)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x_TH)))

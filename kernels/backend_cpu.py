@@ -1,0 +1,158 @@
+"""The CPU backend: x86 with AVX2 + FMA and the C kernels built (kernels/cpu_build.py).
+
+Activations are float32; linear, expert and absorbed-attention weights stay as loaded (bf16, or FP8 with
+block scales) and the kernels widen them in registers as they compute: half (a quarter) the bytes a
+decode step reads, and float32 arithmetic on CPUs with or without bf16 instructions. At decode sizes
+the torch ops' dispatch costs more than their arithmetic, so RMSNorm, rope, the MLA cache write, the
+router and the experts are one C call each, and an all-decode step runs each decoder layer in one call
+(`fused_decode_layer`, csrc/decode_layer.c) where the layer has no tensor or expert parallelism.
+Whatever a kernel does not take (float32 or float16 weights, other routing methods) runs the torch
+reference of kernels/backend_torch.py.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+import torch.nn.functional as F
+
+from moe_serve.kernels import cpu_bf16w, cpu_build, cpu_decode_layer, cpu_mla, cpu_moe, cpu_ops
+from moe_serve.kernels.backend_torch import TorchBackend
+from moe_serve.kernels.layer_spec import DecoderLayerSpec
+from moe_serve.kernels.ops import MLPWeights
+from moe_serve.kernels.routing import RouterConfig
+
+_NARROW = (torch.bfloat16,)  # weight dtypes the C kernels widen
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self, device: torch.device | str = "cpu", fp8_block: tuple[int, int] | None = None):
+        super().__init__(device, fp8_block)
+        if self.device.type != "cpu":
+            raise ValueError(f"--kernel-backend cpu runs on the CPU, not on {self.device}")
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why this machine cannot run the backend, or None when it can."""
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return f"this is not an x86-64 CPU ({platform.machine()})"
+        if not cpu_build.cpu_has("avx2", "fma"):
+            return "this CPU has no AVX2 and FMA"
+        if cpu_build.lib() is None:
+            return "the C kernels could not be built (the warning above says why)"
+        return None
+
+    def describe(self) -> str:
+        return ("C kernels (AVX2 + FMA), float32 activations, bf16 and FP8 weights widened as used, "
+                "one call per decoder layer for decode steps")
+
+    # ---- preparation -------------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Vectors (norm weights, the router's correction bias) in float32, as the kernels take them; the
+        weights of products stay as loaded."""
+        for p in model.parameters():
+            if p.dim() == 1 and p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+
+    def fused_decode_layer(self, spec: DecoderLayerSpec):
+        """The whole layer in one C call (csrc/decode_layer.c), or None where it does not apply: tensor or
+        expert parallelism, routing other than DeepSeek-V3's, or weights other than bf16."""
+        if spec.parallel:
+            return None
+        rc = spec.router
+        if rc is not None and not (rc.topk_method == "noaux_tc" and rc.scoring_func == "sigmoid"):
+            return None
+        linears = [spec.q_b, spec.kv_a, spec.o] + ([spec.q_a] if spec.q_a is not None else [])
+        mlps = [m for m in (spec.experts, spec.mlp) if m is not None]
+        if (any(lin.weight.dtype not in _NARROW or lin.scale_inv is not None for lin in linears)
+                or any(m.w13.dtype not in _NARROW or m.w13_scale is not None for m in mlps)
+                or spec.w_uk_NCD.dtype not in _NARROW or (rc is not None and spec.gate_EH.dtype != torch.float32)):
+            return None
+        router = None if rc is None else cpu_decode_layer.Router(
+            spec.gate_EH, spec.gate_bias_E, rc.num_groups, rc.topk_group, rc.top_k, rc.norm_topk_prob,
+            rc.routed_scaling_factor)
+        norm = lambda n: (n.weight, n.eps)  # noqa: E731
+        weights = cpu_decode_layer.LayerWeights(
+            in_norm=norm(spec.in_norm), q_a=None if spec.q_a is None else spec.q_a.weight,
+            q_a_norm=None if spec.q_a_norm is None else norm(spec.q_a_norm), q_b=spec.q_b.weight,
+            kv_a=spec.kv_a.weight, kv_a_norm=norm(spec.kv_a_norm), w_uk_NCD=spec.w_uk_NCD, w_uv_NVC=spec.w_uv_NVC,
+            o=spec.o.weight, softmax_scale=spec.softmax_scale, rope_interleaved=spec.rope_interleaved,
+            post_norm=norm(spec.post_norm), router=router,
+            w13=None if spec.experts is None else spec.experts.w13, w2=None if spec.experts is None else spec.experts.w2,
+            mlp_w13=None if spec.mlp is None else spec.mlp.w13, mlp_w2=None if spec.mlp is None else spec.mlp.w2)
+        try:
+            return FusedDecodeLayer(cpu_decode_layer.DecodeLayerKernel(weights))
+        except (ValueError, RuntimeError):  # a shape the kernel does not take: the layer runs op by op
+            return None
+
+    # ---- ops ---------------------------------------------------------------------------------
+    def embedding(self, ids_T: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids_T, weight_VH).float()
+
+    def linear(self, x_TI, w_OI, scale_inv=None, bias_O=None) -> torch.Tensor:
+        if scale_inv is None and w_OI.dtype in _NARROW:
+            return cpu_bf16w.linear(x_TI, w_OI, bias_O)
+        return super().linear(x_TI, w_OI, scale_inv, bias_O)
+
+    def rms_norm(self, x_TD, w_D, eps: float) -> torch.Tensor:
+        return cpu_ops.rms_norm(x_TD, w_D, eps)
+
+    def rope(self, x_TNR, cos_TR2, sin_TR2, interleaved: bool) -> torch.Tensor:
+        return cpu_ops.rope(x_TNR, cos_TR2, sin_TR2, interleaved)
+
+    def mla_cache_write(self, kv_TD, norm_w_C, eps, cos_TR2, sin_TR2, interleaved, kv_cache, slots_T) -> None:
+        cpu_ops.mla_cache_write(kv_TD, norm_w_C, eps, cos_TR2, sin_TR2, interleaved, kv_cache, slots_T)
+
+    def bmm_wt(self, x_BMK: torch.Tensor, w_BOK: torch.Tensor, scale_inv=None) -> torch.Tensor:
+        if scale_inv is None and w_BOK.dtype in _NARROW and x_BMK.dtype == torch.float32:
+            return cpu_bf16w.bmm(x_BMK, w_BOK)
+        return super().bmm_wt(x_BMK, w_BOK, scale_inv)
+
+    def mla_decode(self, q_BNK, kv_cache, meta, latent_dim: int, scale: float) -> torch.Tensor:
+        if not cpu_mla.fits(q_BNK, kv_cache):
+            return super().mla_decode(q_BNK, kv_cache, meta, latent_dim, scale)
+        _, tables_BM, lens_B, max_len = meta.decode_i64()
+        out_BNC = q_BNK.new_empty(q_BNK.shape[0], q_BNK.shape[1], latent_dim)
+        if q_BNK.shape[0]:
+            cpu_mla.mla_decode_into(q_BNK, kv_cache, tables_BM, lens_B, latent_dim, scale, None, max_len, out_BNC)
+        return out_BNC
+
+    def route(self, x_TH, gate_EH, bias_E, rc: RouterConfig):
+        if (rc.topk_method == "noaux_tc" and rc.scoring_func == "sigmoid"
+                and cpu_ops.route_fits(x_TH, gate_EH, bias_E, rc.num_groups, rc.topk_group, rc.top_k)):
+            return cpu_ops.route_noaux_tc(x_TH, gate_EH, bias_E, rc.num_groups, rc.topk_group, rc.top_k,
+                                          rc.norm_topk_prob, rc.routed_scaling_factor)
+        return super().route(x_TH, gate_EH, bias_E, rc)
+
+    def fused_moe(self, x_TH, experts: MLPWeights, topk_weights_TK, topk_ids_TK,
+                  shared: MLPWeights | None = None) -> torch.Tensor:
+        """Routed experts and the shared expert in one C call where the weights are bf16."""
+        shared_ok = shared is None or (shared.w13_scale is None and shared.w13.dtype == shared.w2.dtype == torch.bfloat16
+                                       and shared.w13.is_contiguous() and shared.w2.is_contiguous())
+        if experts.w13_scale is None and shared_ok and cpu_moe.fits(x_TH, experts.w13, experts.w2):
+            return cpu_moe.fused_moe_bf16w(x_TH, experts.w13, experts.w2, topk_weights_TK, topk_ids_TK,
+                                           None if shared is None else shared.w13, None if shared is None else shared.w2)
+        return super().fused_moe(x_TH, experts, topk_weights_TK, topk_ids_TK, shared)
+
+
+class FusedDecodeLayer:
+    """A decoder layer's all-decode step in one C call: x [T, H] in, x plus attention plus MLP out."""
+
+    def __init__(self, kernel: cpu_decode_layer.DecodeLayerKernel):
+        self.kernel = kernel
+
+    def __call__(self, x_TH, cos_TR2, sin_TR2, kv_cache, meta, recorder=None) -> torch.Tensor:
+        if not cpu_decode_layer.fits(x_TH, cos_TR2, sin_TR2, kv_cache, meta.slot_mapping_T):
+            raise ValueError(f"the fused decode layer takes float32 activations and a bf16 KV cache, got "
+                             f"{x_TH.dtype} and {kv_cache.dtype}")
+        rows_B, tables_BM, lens_B, max_len = meta.decode_i64()
+        x_TH = x_TH.clone()
+        ids_TK = None if recorder is None else torch.empty(x_TH.shape[0], self.kernel.top_k, dtype=torch.int64)
+        self.kernel.forward(x_TH, cos_TR2, sin_TR2, kv_cache, meta.slot_mapping_T, rows_B, tables_BM, lens_B,
+                            max_len, ids_TK)
+        if recorder is not None:
+            recorder(ids_TK, ids_TK)  # one slot per expert without expert parallelism: physical ids are logical
+        return x_TH
