@@ -37,7 +37,9 @@ class DecoderLayerSpec:
     kv_a: Linear
     kv_a_norm: Norm
     w_uk_NCD: torch.Tensor
-    w_uv_NVC: torch.Tensor
+    w_uv_NVC: torch.Tensor  # may be a view of kv_b_proj's weight (unit stride in C, not contiguous over N)
+    w_uk_scale: torch.Tensor | None  # their block-FP8 scales [N, C/b, Dn/b] and [N, Dv/b, C/b], or None
+    w_uv_scale: torch.Tensor | None
     o: Linear
     softmax_scale: float
     rope_interleaved: bool

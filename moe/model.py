@@ -6,7 +6,6 @@ Legend: T = tokens in the step, H = hidden size, V = vocabulary, E = routed expe
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
@@ -15,22 +14,24 @@ from torch import nn
 from moe_serve.balancer.placement import ReplicaChooser, build_log2phy
 from moe_serve.experts.dispatch import DispatchStats, combine, dispatch
 from moe_serve.experts.relocate import relocate
-from moe_serve.experts.router import RouterConfig, route
+from moe_serve.experts.router import route, router_config
 from moe_serve.experts.weights import ExpertWeights
-from moe_serve.kernels import cpu_build, cpu_decode_layer, cpu_moe, fused_moe
+from moe_serve.kernels import ops
+from moe_serve.kernels.layer_spec import DecoderLayerSpec, Linear, Norm
 from moe_serve.moe.attention import AttentionMetadata, MLAttention
 from moe_serve.moe.config import ModelConfig
 from moe_serve.moe.layers import MLP, RMSNorm, RotaryEmbedding
-from moe_serve.moe.parallel_linear import PackedLinear, ParallelLMHead, VocabParallelEmbedding, all_reduce, group_rank_size
-
-log = logging.getLogger(__name__)
-
+from moe_serve.moe.parallel_linear import ParallelLMHead, VocabParallelEmbedding, all_reduce, group_rank_size
 
 class Gate(nn.Module):
+    """The router's weight [E, H] and DeepSeek-V3's score-correction bias [E], float32 whatever the serving
+    dtype (the reference routes in float32: a narrower gate could pick other experts)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
-        bias = torch.zeros(cfg.n_routed_experts) if cfg.topk_method == "noaux_tc" else None
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
+        bias = torch.zeros(E, dtype=torch.float32) if cfg.topk_method == "noaux_tc" else None
         self.e_score_correction_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
 
@@ -40,7 +41,7 @@ class MoEBlock(nn.Module):
     Without expert parallelism every rank holds every expert, tensor-parallel over `tp_group`, and
     one all-reduce sums routed and shared partial outputs. With it (`ep_group` of size > 1) rank r
     of the EP group holds slots [r * S, (r + 1) * S): each TP rank dispatches its share of the tokens
-    to the ranks holding their experts, computes what it received with `fused_moe`, combines the
+    to the ranks holding their experts, computes what it received with the fused MoE op, combines the
     results back, and the same single all-reduce over `tp_group` assembles tokens and shared experts.
     """
 
@@ -48,44 +49,32 @@ class MoEBlock(nn.Module):
         """phy2log_R: the logical expert held by each of the EP group's physical slots (default: slot i
         holds expert i). More slots than experts means redundant replicas of some experts."""
         super().__init__()
-        self.router_config = RouterConfig.from_model(cfg)
-        self.use_cpu_kernels = False  # set by hold_cpu_kernels_weights (bf16 weights computing in float32)
-        self.shared_w13: torch.Tensor | None = None  # then: the shared expert's gate and up rows, one tensor
+        self.router_config = router_config(cfg)
         self.tp_group, self.ep_group = tp_group, ep_group
         tp_rank, tp_size = group_rank_size(tp_group)
-        ep_rank, ep_size = group_rank_size(ep_group)
+        ep_rank, self.ep_size = group_rank_size(ep_group)
         E = self.num_experts = cfg.n_routed_experts
         phy2log_R = list(range(E)) if phy2log_R is None else list(phy2log_R)
-        if len(phy2log_R) % ep_size:
-            raise ValueError(f"expert parallel size {ep_size} does not divide {len(phy2log_R)} expert slots")
-        if len(phy2log_R) > E and ep_size == 1:
+        if len(phy2log_R) % self.ep_size:
+            raise ValueError(f"expert parallel size {self.ep_size} does not divide {len(phy2log_R)} expert slots")
+        if len(phy2log_R) > E and self.ep_size == 1:
             raise ValueError("redundant expert slots need expert parallelism (enable_expert_parallel)")
-        self.slots_per_rank = len(phy2log_R) // ep_size
+        self.slots_per_rank = len(phy2log_R) // self.ep_size
         self.gate = Gate(cfg)
         self.set_placement(phy2log_R)
         local = phy2log_R[ep_rank * self.slots_per_rank:(ep_rank + 1) * self.slots_per_rank]
-        if ep_size > 1:  # experts whole on their EP rank
-            self.experts = ExpertWeights(local, cfg.hidden_size, cfg.moe_intermediate_size)
+        fp8 = cfg.quant_block_shape
+        if self.ep_size > 1:  # experts whole on their EP rank
+            self.experts = ExpertWeights(local, cfg.hidden_size, cfg.moe_intermediate_size, fp8_block=fp8)
         else:  # every expert here, sharded over TP
-            self.experts = ExpertWeights(local, cfg.hidden_size, cfg.moe_intermediate_size, tp_rank, tp_size)
+            self.experts = ExpertWeights(local, cfg.hidden_size, cfg.moe_intermediate_size, tp_rank, tp_size, fp8)
         n_shared = cfg.n_shared_experts or 0
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared, tp_group, reduce=False)
-                               if n_shared else None)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared, tp_group, reduce=False,
+                                   fp8_block=fp8) if n_shared else None)
         self.comm_stats = DispatchStats()  # running totals of what dispatch and combine moved
         # Expert-load hook: called with (topk_ids_TK, phy_ids_TK) every forward (balancer.stats.ExpertLoadRecorder.record
         # bound to this layer); it counts on the device, without a host sync. None = not recording.
         self.load_recorder: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-
-    def hold_cpu_kernels_weights(self) -> None:
-        """Route and run the experts through the CPU kernels of bf16 weights computing in float32: the router in
-        C, and (without expert parallelism) the shared expert in the routed experts' call, its gate and up
-        weights made one tensor (the MLP's weights become views of it)."""
-        self.use_cpu_kernels = True
-        mlp = self.shared_experts
-        if mlp is None or mlp.gate_proj.weight.dtype != torch.bfloat16 or mlp.down_proj.weight.dtype != torch.bfloat16:
-            return
-        mlp.hold_gate_up_together()
-        self.shared_w13 = mlp.w13
 
     def set_placement(self, phy2log_R: list[int]) -> None:
         """Which expert each physical slot holds (the maps only; weights move with `relocate_experts`)."""
@@ -95,12 +84,12 @@ class MoEBlock(nn.Module):
         device = self.gate.weight.device
         self.log2phy_EX, self.logcnt_E = log2phy_1EX[0].to(device), logcnt_1E[0].to(device)
         # each token's replica, chosen from the batch's load on the EP ranks (balancer/placement.py)
-        self.replica_chooser = ReplicaChooser(self.log2phy_EX, self.logcnt_E, group_rank_size(self.ep_group)[1])
+        self.replica_chooser = ReplicaChooser(self.log2phy_EX, self.logcnt_E, self.ep_size)
 
     def relocate_experts(self, new_phy2log_R: list[int]) -> int:
-        """Between steps: load the slots whose expert changes from the ranks holding those experts,
-        then switch the maps. Returns how many slots (all ranks) loaded new weights."""
-        moved = relocate(self.experts.w13.data, self.experts.w2.data, self.phy2log_R, new_phy2log_R, self.ep_group)
+        """Between steps: load the slots whose expert changes (weights and any FP8 scales) from the ranks
+        holding those experts, then switch the maps. Returns how many slots (all ranks) loaded new weights."""
+        moved = relocate(self.experts.slot_tensors(), self.phy2log_R, new_phy2log_R, self.ep_group)
         ep_rank, _ = group_rank_size(self.ep_group)
         self.experts.slot_to_expert = list(new_phy2log_R[ep_rank * self.slots_per_rank:(ep_rank + 1) * self.slots_per_rank])
         self.set_placement(new_phy2log_R)
@@ -108,22 +97,17 @@ class MoEBlock(nn.Module):
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         topk_weights_TK, topk_ids_TK = route(x_TH, self.gate.weight, self.router_config,
-                                             self.gate.e_score_correction_bias, self.use_cpu_kernels)
+                                             self.gate.e_score_correction_bias)
         phy_ids_TK = topk_ids_TK if self.identity_placement else self.replica_chooser(topk_ids_TK)
         if self.load_recorder is not None:
             self.load_recorder(topk_ids_TK, phy_ids_TK)
-        w13, w2 = self.experts.w13, self.experts.w2
-        if self.shared_w13 is not None and group_rank_size(self.ep_group)[1] == 1 and cpu_moe.fits(x_TH, w13, w2):
-            # routed and shared experts in one C call (kernels/cpu_moe.py)
-            y_TH = cpu_moe.fused_moe_bf16w(x_TH, w13, w2, topk_weights_TK, phy_ids_TK, self.shared_w13,
-                                           self.shared_experts.down_proj.weight)
-            return all_reduce(y_TH, self.tp_group)
-        if group_rank_size(self.ep_group)[1] == 1:
-            y_TH = fused_moe(x_TH, w13, w2, topk_weights_TK, phy_ids_TK)
+        if self.ep_size == 1:  # routed and shared experts in one op
+            shared = None if self.shared_experts is None else self.shared_experts.weights()
+            y_TH = ops.fused_moe(x_TH, self.experts.weights(), topk_weights_TK, phy_ids_TK, shared)
         else:
             y_TH = self._expert_parallel(x_TH, topk_weights_TK, phy_ids_TK)
-        if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH)
+            if self.shared_experts is not None:
+                y_TH = y_TH + self.shared_experts(x_TH)
         return all_reduce(y_TH, self.tp_group)
 
     def _expert_parallel(self, x_TH, topk_weights_TK, topk_ids_TK) -> torch.Tensor:
@@ -134,7 +118,7 @@ class MoEBlock(nn.Module):
         lo, hi = T * tp_rank // tp_size, T * (tp_rank + 1) // tp_size
         recv_x, recv_ids, recv_w, handle = dispatch(x_TH[lo:hi], topk_ids_TK[lo:hi], topk_weights_TK[lo:hi],
                                                     self.slots_per_rank, self.ep_group)
-        y_recv = fused_moe(recv_x, self.experts.w13, self.experts.w2, recv_w, recv_ids)
+        y_recv = ops.fused_moe(recv_x, self.experts.weights(), recv_w, recv_ids)
         y_TH = torch.zeros_like(x_TH)
         y_TH[lo:hi] = combine(y_recv, handle, self.ep_group)
         self.comm_stats = self.comm_stats + handle.stats
@@ -147,66 +131,44 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLAttention(cfg, rope, tp_group)
         self.mlp = (MoEBlock(cfg, tp_group, ep_group, phy2log_R) if cfg.is_moe_layer(layer_idx)
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, tp_group))
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, tp_group, fp8_block=cfg.quant_block_shape))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.parallel = group_rank_size(tp_group)[1] > 1 or group_rank_size(ep_group)[1] > 1
-        self.decode_kernel: cpu_decode_layer.DecodeLayerKernel | None = None  # set by hold_decode_kernel
+        # The kernel backend's whole-layer path for steps of decode queries only (ops.fused_decode_layer,
+        # set after loading), or None: the layer runs its modules.
+        self.fast_decode: Callable | None = None
 
     def forward(self, x_TH, cos_TR2, sin_TR2, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if (self.decode_kernel is not None and meta.all_decode and getattr(self.mlp, "identity_placement", True)
-                and cpu_decode_layer.fits(x_TH, cos_TR2, sin_TR2, kv_cache, meta.slot_mapping_T)):
-            return self._decode_in_one_call(x_TH, cos_TR2, sin_TR2, kv_cache, meta)
+        if self.fast_decode is not None and meta.all_decode:
+            return self.fast_decode(x_TH, cos_TR2, sin_TR2, kv_cache, meta, getattr(self.mlp, "load_recorder", None))
         x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), cos_TR2, sin_TR2, kv_cache, meta)
         return x_TH + self.mlp(self.post_attention_layernorm(x_TH))
 
-    def hold_decode_kernel(self) -> None:
-        """Run all-decode steps through one C call for the whole layer (kernels/cpu_decode_layer.py): where the
-        weights are held for the CPU kernels (after MoEBlock.hold_cpu_kernels_weights), without tensor or
-        expert parallelism, with DeepSeek-V3's routing. Elsewhere the layer stays as it is, and so do steps
-        with prompt chunks, or while experts sit in other slots than their own (the kernel routes to slot
-        = expert id)."""
+    def kernel_spec(self) -> DecoderLayerSpec:
+        """The layer's weights (its modules' own tensors), described for a backend's whole-layer path."""
         attn, mlp = self.self_attn, self.mlp
-        if self.parallel or attn.w_uk_NCD is None or cpu_build.lib() is None:
-            return
-        router = w13 = w2 = None
-        if isinstance(mlp, MoEBlock):
-            rc = mlp.router_config
-            if not (mlp.use_cpu_kernels and rc.topk_method == "noaux_tc"
-                    and rc.scoring_func == "sigmoid" and (mlp.shared_experts is None or mlp.shared_w13 is not None)):
-                return
-            router = cpu_decode_layer.Router(mlp.gate.weight, mlp.gate.e_score_correction_bias, rc.num_groups,
-                                             rc.topk_group, rc.top_k, rc.norm_topk_prob, rc.routed_scaling_factor)
-            w13, w2, dense = mlp.experts.w13, mlp.experts.w2, mlp.shared_experts
-        elif mlp.w13 is None or mlp.down_proj.weight.dtype != torch.bfloat16:
-            return
-        else:
-            dense = mlp
-        norm = lambda m: (m.weight, m.eps)  # noqa: E731
+        moe = isinstance(mlp, MoEBlock)
+        dense = mlp.shared_experts if moe else mlp
         q_lora = attn.q_lora_rank is not None
-        weights = cpu_decode_layer.LayerWeights(
-            in_norm=norm(self.input_layernorm), q_a=attn.q_a_proj.weight if q_lora else None,
-            q_a_norm=norm(attn.q_a_layernorm) if q_lora else None,
-            q_b=attn.q_b_proj.weight if q_lora else attn.q_proj.weight, kv_a=attn.kv_a_proj_with_mqa.weight,
-            kv_a_norm=norm(attn.kv_a_layernorm), w_uk_NCD=attn.w_uk_NCD, w_uv_NVC=attn.w_uv_NVC,
-            o=attn.o_proj.weight, softmax_scale=attn.scale, rope_interleaved=attn.rope.interleaved,
-            post_norm=norm(self.post_attention_layernorm), router=router, w13=w13, w2=w2,
-            mlp_w13=None if dense is None else dense.w13, mlp_w2=None if dense is None else dense.down_proj.weight)
-        try:
-            self.decode_kernel = cpu_decode_layer.DecodeLayerKernel(weights)
-        except ValueError as err:  # a weight the kernel cannot take: the layer keeps its module path
-            log.info("decode steps run layer by layer: %s", err)
 
-    def _decode_in_one_call(self, x_TH, cos_TR2, sin_TR2, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        rows_B, tables_BM, lens_B, max_len = meta.decode_i64()
-        x_TH = x_TH.clone()
-        recorder = getattr(self.mlp, "load_recorder", None)
-        ids_TK = None if recorder is None else torch.empty(x_TH.shape[0], self.decode_kernel.top_k, dtype=torch.int64)
-        self.decode_kernel.forward(x_TH, cos_TR2, sin_TR2, kv_cache, meta.slot_mapping_T, rows_B, tables_BM, lens_B,
-                                   max_len, ids_TK)
-        if recorder is not None:
-            recorder(ids_TK, ids_TK)  # one slot per expert here: physical ids are the logical ones
-        return x_TH
+        def lin(m):
+            return Linear(m.weight, m.weight_scale_inv)
+
+        def norm(m):
+            return Norm(m.weight, m.eps)
+
+        return DecoderLayerSpec(
+            in_norm=norm(self.input_layernorm), q_a=lin(attn.q_a_proj) if q_lora else None,
+            q_a_norm=norm(attn.q_a_layernorm) if q_lora else None,
+            q_b=lin(attn.q_b_proj if q_lora else attn.q_proj), kv_a=lin(attn.kv_a_proj_with_mqa),
+            kv_a_norm=norm(attn.kv_a_layernorm), w_uk_NCD=attn.w_uk_NCD, w_uv_NVC=attn.w_uv_NVC,
+            w_uk_scale=attn.w_uk_scale, w_uv_scale=attn.w_uv_scale, o=lin(attn.o_proj), softmax_scale=attn.scale,
+            rope_interleaved=attn.rope.interleaved, post_norm=norm(self.post_attention_layernorm),
+            router=mlp.router_config if moe else None, gate_EH=mlp.gate.weight if moe else None,
+            gate_bias_E=mlp.gate.e_score_correction_bias if moe else None,
+            experts=mlp.experts.weights() if moe else None, mlp=None if dense is None else dense.weights(),
+            fp8_block=attn.fp8_block, parallel=self.parallel)
 
 
 class MissingLayer(nn.Module):
@@ -270,35 +232,15 @@ class DeepseekForCausalLM(nn.Module):
         """This stage's MoE blocks by layer index."""
         return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(getattr(layer, "mlp", None), MoEBlock)}
 
-    def hold_weights_in(self, dtype: torch.dtype) -> None:
-        """Keep the linear and routed-expert weights in `dtype` (narrower than the model's compute dtype; the
-        loader already rounded their values to it), for kernels that widen them as they compute
-        (kernels/cpu_bf16w.py). Embedding tables (and a head tied to one) stay as they are."""
-        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, VocabParallelEmbedding)}
-        for module in self.modules():
-            if isinstance(module, PackedLinear) and id(module.weight) not in embeddings:
-                module.weight.data = module.weight.data.to(dtype)
-        for block in self.moe_blocks().values():
-            block.experts.w13.data = block.experts.w13.data.to(dtype)
-            block.experts.w2.data = block.experts.w2.data.to(dtype)
-        for layer in self.model.layers[self.model.start:self.model.end]:
-            layer.self_attn.hold_absorbed_in(dtype)
-        for module in self.modules():  # the small float32 ops, one C call each (kernels/cpu_ops.py)
-            if isinstance(module, (RMSNorm, RotaryEmbedding)):
-                module.use_cpu_kernel = True
-            if isinstance(module, MLP) and module.gate_proj.weight.dtype == torch.bfloat16:
-                module.hold_gate_up_together()  # the dense and shared MLPs' products in one C call
-            if isinstance(module, MoEBlock):
-                module.hold_cpu_kernels_weights()
-        for layer in self.model.layers[self.model.start:self.model.end]:
-            layer.hold_decode_kernel()
-
     def after_loading(self) -> None:
-        for layer in self.model.layers[self.model.start:self.model.end]:
+        """Once, after the weights are in: MLA's absorbed per-head weights, the kernel backend's preparation
+        (kernels/ops.py), and each layer's whole-layer decode path where the backend has one."""
+        layers = self.model.layers[self.model.start:self.model.end]
+        for layer in layers:
             layer.self_attn.absorb_weights()
-        for module in self.modules():  # bf16 on CPU: oneDNN-packed copies of the dense weights
-            if isinstance(module, PackedLinear):
-                module.pack_weight()
+        ops.prepare(self)
+        for layer in layers:
+            layer.fast_decode = ops.fused_decode_layer(layer.kernel_spec())
 
 
 def _demo() -> None:
