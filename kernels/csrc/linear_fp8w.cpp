@@ -3,10 +3,13 @@
  * float32 weight reads, half of bf16's (kernels/cpu_bf16w.py holds its reference, F.linear on the
  * dequantised weight).
  *
- * Each group of 8 weights is widened in registers (load_fp8x8: exact, times 2^-8) and multiplied by its
- * block's scale times 2^8, which gives exactly the float32 product w * scale of the dequantised weight; so
- * results differ from the reference only by the order of the float32 sums. The blocks of rows and their
- * accumulators are as in linear_bf16w.cpp, whose drivers (tiles, threads, batches) call fp8w_block.
+ * Each group of 8 weights is widened in registers (load_fp8x8: exact, times 2^-8); each block of bk inputs
+ * sums x times the widened weights, and that sum, times the block's scale (times 2^8), is added to the
+ * row's total: one multiply per block instead of one per weight (10-20% faster, the conversion being the
+ * bottleneck). Results equal the reference up to float32 rounding: the reference rounds each w * scale
+ * before multiplying by x, this kernel rounds the block's sum; with one nonzero term, w * scale exactly.
+ * The blocks of rows and their accumulators are as in linear_bf16w.cpp, whose drivers (tiles, threads,
+ * batches) call fp8w_block.
  */
 #include "bf16w.h"
 
@@ -17,29 +20,33 @@
         for (int64_t o = 0; o < O; o++) {                                                              \
             const uint8_t *wr = (const uint8_t *)w->data + (o0 + o) * w->ld;                           \
             const float *sr = w->scale + (o0 + o) / w->bo * w->lds;                                    \
-            __m256 acc[MB][U];                                                                         \
-            for (int m = 0; m < MB; m++)                                                               \
-                for (int u = 0; u < U; u++) acc[m][u] = _mm256_setzero_ps();                           \
+            __m256 tot[MB], acc[MB][U];                                                                \
+            for (int m = 0; m < MB; m++) tot[m] = _mm256_setzero_ps();                                 \
             for (int64_t k0 = 0; k0 < K8; k0 += bk) {                                                  \
                 int64_t end = k0 + bk < K8 ? k0 + bk : K8, k = k0;                                     \
-                __m256 sv = _mm256_set1_ps(sr[k0 / bk * w->ldsk] * 256.0f);                            \
+                for (int m = 0; m < MB; m++)                                                           \
+                    for (int u = 0; u < U; u++) acc[m][u] = _mm256_setzero_ps();                       \
                 for (; k + 8 * U <= end; k += 8 * U)                                                   \
                     for (int u = 0; u < U; u++) {                                                      \
-                        __m256 wv = _mm256_mul_ps(load_fp8x8(wr + k + 8 * u), sv);                     \
+                        __m256 wv = load_fp8x8(wr + k + 8 * u);                                        \
                         for (int m = 0; m < MB; m++)                                                   \
                             acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + 8 * u), wv,  \
                                                         acc[m][u]);                                    \
                     }                                                                                  \
                 for (; k < end; k += 8) {                                                              \
-                    __m256 wv = _mm256_mul_ps(load_fp8x8(wr + k), sv);                                 \
+                    __m256 wv = load_fp8x8(wr + k);                                                    \
                     for (int m = 0; m < MB; m++)                                                       \
                         acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), wv, acc[m][0]);  \
                 }                                                                                      \
+                __m256 sv = _mm256_set1_ps(sr[k0 / bk * w->ldsk] * 256.0f);                            \
+                for (int m = 0; m < MB; m++) {                                                         \
+                    __m256 t = acc[m][0];                                                              \
+                    for (int u = 1; u < U; u++) t = _mm256_add_ps(t, acc[m][u]);                       \
+                    tot[m] = _mm256_fmadd_ps(t, sv, tot[m]);                                           \
+                }                                                                                      \
             }                                                                                          \
             for (int m = 0; m < MB; m++) {                                                             \
-                __m256 t = acc[m][0];                                                                  \
-                for (int u = 1; u < U; u++) t = _mm256_add_ps(t, acc[m][u]);                           \
-                float s = hsum8(t);                                                                    \
+                float s = hsum8(tot[m]);                                                               \
                 for (int64_t kk = K8; kk < K; kk++)                                                    \
                     s += x[m * ldx + kk] * (fp8_to_f32(wr[kk]) * sr[kk / bk * w->ldsk]);               \
                 y[m * ldy + o] = s;                                                                    \
