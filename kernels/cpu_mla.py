@@ -54,7 +54,8 @@ def mla_decode(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM:
     out_BNC = q_BND.new_empty(B, N, latent_dim)
     if B:
         lens_B = context_lens_B.to(torch.int64).contiguous()
-        mla_decode_into(q_BND, kv_cache_NbD, block_tables_BM.to(torch.int64), lens_B, latent_dim, scale, None, 0, out_BNC)
+        tables_BM = block_tables_BM.to(torch.int64)
+        mla_decode_into(q_BND, kv_cache_NbD, tables_BM, lens_B, latent_dim, scale, None, 0, out_BNC)
     return out_BNC
 
 

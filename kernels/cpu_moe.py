@@ -22,15 +22,17 @@ import torch
 from moe_serve.kernels import cpu_build
 
 
-def _weights_fit(w: torch.Tensor) -> bool:
-    return w.dtype in (torch.bfloat16, torch.float8_e4m3fn) and w.is_cpu and w.stride(-1) == 1
+def _weight_fits(w: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    narrow = torch.bfloat16 if scale is None else torch.float8_e4m3fn
+    return w.dtype == narrow and w.is_cpu and w.stride(-1) == 1
 
 
-def fits(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> bool:
-    """float32 x with unit column stride, bf16 or FP8 expert weights with unit stride in their last dims, on
-    CPU, and the kernels built. (FP8 weights need their scales, which fused_moe_bf16w checks.)"""
-    return (x_TH.dtype == torch.float32 and x_TH.is_cpu and x_TH.stride(1) == 1 and _weights_fit(w13_E2IH)
-            and _weights_fit(w2_EHI) and cpu_build.available())
+def fits(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, w13_scale: torch.Tensor | None = None,
+         w2_scale: torch.Tensor | None = None) -> bool:
+    """float32 x with unit column stride, and bf16 expert weights, or FP8 ones with their scales, with unit
+    stride in their last dims, on CPU, and the kernels built. (The op checks the shapes.)"""
+    return (x_TH.dtype == torch.float32 and x_TH.is_cpu and x_TH.stride(1) == 1
+            and _weight_fits(w13_E2IH, w13_scale) and _weight_fits(w2_EHI, w2_scale) and cpu_build.available())
 
 
 def fused_moe_bf16w(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,

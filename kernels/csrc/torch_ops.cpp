@@ -10,9 +10,6 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <string>
-#include <vector>
-
 #include "bf16w.h"
 
 namespace {
@@ -20,27 +17,28 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-void expect(const Tensor &t, const std::string &name, at::ScalarType dtype, int64_t dim) {
-    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == dim, name, " must be a ",
+/* The checks build no message unless they fail: these ops run many times a step, at a few microseconds each. */
+void expect(const Tensor &t, const char *name, at::ScalarType dtype, int64_t dim, const char *suffix = "") {
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == dim, name, suffix, " must be a ",
                       dim, "-d ", dtype, " CPU tensor, got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
 }
 
-void unit_last(const Tensor &t, const std::string &name) {
+void unit_last(const Tensor &t, const char *name) {
     TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must have unit stride in its last dim, got ",
                       "strides ", t.strides(), " for shape ", t.sizes());
 }
 
-void contiguous(const Tensor &t, const std::string &name) {
+void contiguous(const Tensor &t, const char *name) {
     TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides(), " for shape ",
                       t.sizes());
 }
 
-void shape(const Tensor &t, const std::string &name, std::vector<int64_t> want) {
-    TORCH_CHECK_VALUE(t.sizes().equals(want), name, " must be ", at::IntArrayRef(want), ", got ", t.sizes());
+void shape(const Tensor &t, const char *name, at::IntArrayRef want) {
+    TORCH_CHECK_VALUE(t.sizes().equals(want), name, " must be ", want, ", got ", t.sizes());
 }
 
 /* w [(B,) O, K] (dim 2 or 3) with unit stride in K: bf16 and no scale, or FP8 e4m3fn and its block scales */
-Weight weight(const Tensor &w, const OptTensor &scale, at::IntArrayRef block, const std::string &name, int64_t dim) {
+Weight weight(const Tensor &w, const OptTensor &scale, at::IntArrayRef block, const char *name, int64_t dim) {
     TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == dim, name, " must be a ", dim, "-d CPU tensor, got ",
                       w.sizes(), " on ", w.device());
     unit_last(w, name);
@@ -55,12 +53,12 @@ Weight weight(const Tensor &w, const OptTensor &scale, at::IntArrayRef block, co
     TORCH_CHECK_VALUE(block.size() == 2 && block[0] > 0 && block[1] > 0 && block[0] % 8 == 0 && block[1] % 8 == 0,
                       "the FP8 block shape must be two positive multiples of 8, got ", block);
     const Tensor &s = *scale;
-    expect(s, name + " scale", at::kFloat, dim);
+    expect(s, name, at::kFloat, dim, " scale");
     int64_t bo = block[0], bk = block[1];
-    std::vector<int64_t> want = {(w.size(dim - 2) + bo - 1) / bo, (w.size(dim - 1) + bk - 1) / bk};
-    if (dim == 3) want.insert(want.begin(), w.size(0));
-    TORCH_CHECK_VALUE(s.sizes().equals(want), name, " scale must be ", at::IntArrayRef(want), " for a weight ",
-                      w.sizes(), " in blocks ", block, ", got ", s.sizes());
+    int64_t grid[3] = {w.size(0), (w.size(dim - 2) + bo - 1) / bo, (w.size(dim - 1) + bk - 1) / bk};
+    at::IntArrayRef want(grid + 3 - dim, dim);
+    TORCH_CHECK_VALUE(s.sizes().equals(want), name, " scale must be ", want, " for a weight ", w.sizes(),
+                      " in blocks ", block, ", got ", s.sizes());
     r.scale = s.data_ptr<float>();
     r.lds = s.stride(dim - 2);
     r.ldsk = s.stride(dim - 1);
@@ -107,7 +105,8 @@ void check_slots(const Tensor &slots, int64_t T, int64_t cache_rows) {
     shape(slots, "slots", {T});
     const int64_t *s = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; t++)
-        TORCH_CHECK_VALUE(s[t] >= 0 && s[t] < cache_rows, "slot ", s[t], " is not in the cache of ", cache_rows, " rows");
+        TORCH_CHECK_VALUE(s[t] >= 0 && s[t] < cache_rows, "slot ", s[t], " is not in the cache of ", cache_rows,
+                          " rows");
 }
 
 // out = x w^T: x [M, K] float32, w [O, K], out [M, O] float32 (unit stride in the last dims)
@@ -321,8 +320,8 @@ void decode_layer(const Tensor &x, const c10::List<OptTensor> &weights, at::IntA
     TORCH_CHECK_VALUE(weights.size() == NUM_TENSORS && config.size() == 7 && scalars.size() == 6, "decode_layer takes ",
                       NUM_TENSORS, " tensors, 7 ints and 6 floats, got ", weights.size(), ", ", config.size(), " and ",
                       scalars.size());
-    std::vector<OptTensor> t;
-    for (size_t i = 0; i < weights.size(); i++) t.push_back(weights.get(i));
+    OptTensor t[NUM_TENSORS];
+    for (size_t i = 0; i < NUM_TENSORS; i++) t[i] = weights.get(i);
     at::IntArrayRef block = config.slice(5, 2);
     auto weight_of = [&](int i, const char *name, int64_t dim) { return weight(*t[i], t[i + 1], block, name, dim); };
     auto need = [&](int i, const char *name) {
