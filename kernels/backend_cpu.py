@@ -12,8 +12,6 @@ reference of kernels/backend_torch.py.
 
 from __future__ import annotations
 
-import platform
-
 import torch
 import torch.nn.functional as F
 
@@ -36,14 +34,8 @@ class CpuBackend(TorchBackend):
 
     @staticmethod
     def unavailable_reason() -> str | None:
-        """Why this machine cannot run the backend, or None when it can."""
-        if platform.machine() not in ("x86_64", "AMD64"):
-            return f"this is not an x86-64 CPU ({platform.machine()})"
-        if not cpu_build.cpu_has("avx2", "fma"):
-            return "this CPU has no AVX2 and FMA"
-        if cpu_build.lib() is None:
-            return "the C kernels could not be built (the warning above says why)"
-        return None
+        """Why this machine cannot run the backend, or None when it can (the kernels are built on this call)."""
+        return cpu_build.unavailable_reason()
 
     def describe(self) -> str:
         return ("C kernels (AVX2 + FMA), float32 activations, bf16 and FP8 weights widened as used, "

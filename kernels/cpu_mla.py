@@ -1,5 +1,6 @@
 """MLA decode attention over a paged bf16 latent cache with float32 queries, on CPU: how `--dtype bfloat16`
-attends on a CPU without bf16 arithmetic (server/runner.compute_dtype), through csrc/mla_decode_bf16.c.
+attends on a CPU without bf16 arithmetic (server/runner.compute_dtype), through csrc/mla_decode_bf16.cpp (the
+torch op moe_serve::mla_decode).
 
 In torch that step gathers each sequence's cache blocks, widens them to float32, and runs two bmm, a
 masked softmax and a concatenation per layer; the kernel reads each cached row in place, twice (scores,
@@ -17,7 +18,7 @@ from moe_serve.kernels import cpu_build
 
 
 def available() -> bool:
-    return cpu_build.lib() is not None
+    return cpu_build.available()
 
 
 def fits(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor) -> bool:
@@ -53,8 +54,8 @@ def mla_decode(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM:
     out_BNC = q_BND.new_empty(B, N, latent_dim)
     if B:
         lens_B = context_lens_B.to(torch.int64).contiguous()
-        mla_decode_into(q_BND, kv_cache_NbD, block_tables_BM.to(torch.int64).contiguous(), lens_B, latent_dim,
-                        scale, None, int(lens_B.max()), out_BNC)
+        tables_BM = block_tables_BM.to(torch.int64)
+        mla_decode_into(q_BND, kv_cache_NbD, tables_BM, lens_B, latent_dim, scale, None, 0, out_BNC)
     return out_BNC
 
 
@@ -63,14 +64,8 @@ def mla_decode_into(q_TND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_table
                     max_len: int, out_TNC: torch.Tensor) -> None:
     """The kernel alone, for inputs that `fits`: sequence b attends with query row rows[b] (b without
     rows) and writes that row of out (float32, unit stride in C); other rows are left as they are.
-    Tables, lengths and rows: contiguous int64; max_len: the longest of the lengths."""
-    B, N, D = q_TND.shape[0] if rows_B is None else rows_B.shape[0], q_TND.shape[1], q_TND.shape[2]
-    if max_len > block_tables_BM.shape[1] * kv_cache_NbD.shape[1]:
-        raise ValueError(f"a context of {max_len} tokens does not fit {block_tables_BM.shape[1]} blocks of "
-                         f"{kv_cache_NbD.shape[1]}")
-    status = cpu_build.lib().mla_decode_bf16(
-        q_TND.data_ptr(), q_TND.stride(0), q_TND.stride(1), kv_cache_NbD.data_ptr(), kv_cache_NbD.shape[1], D,
-        block_tables_BM.data_ptr(), block_tables_BM.stride(0), context_lens_B.data_ptr(), out_TNC.data_ptr(),
-        out_TNC.stride(0), out_TNC.stride(1), B, N, latent_dim, scale, None if rows_B is None else rows_B.data_ptr())
-    if status:
-        raise MemoryError("mla_decode: no memory for the CPU kernel's scratch")
+    Tables, lengths and rows: int64, contiguous lengths and rows. max_len (the longest of the lengths) is
+    not needed: the op checks every length against the table and every block in use against the cache
+    (ValueError)."""
+    torch.ops.moe_serve.mla_decode(q_TND, kv_cache_NbD, block_tables_BM, context_lens_B, rows_B, latent_dim, scale,
+                                   out_TNC)

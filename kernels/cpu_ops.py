@@ -1,5 +1,6 @@
 """RMSNorm, rotary embedding and DeepSeek-V3's router for float32 on CPU, one C call each
-(csrc/cpu_ops.c), beside their torch references. The model uses them where it computes bf16 weights in
+(csrc/cpu_ops.cpp, torch ops moe_serve::rms_norm / rope / mla_cache_write / route_noaux_tc), beside their
+torch references. The model uses them where it computes bf16 weights in
 float32 (server/runner.compute_dtype), as the other kernels of that mode: at decode sizes the composite
 torch versions cost 5-15 us of dispatch per op, several ops each, on every layer.
 
@@ -14,7 +15,7 @@ from moe_serve.kernels import cpu_build
 
 
 def _f32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.is_cpu for t in tensors) and cpu_build.lib() is not None
+    return all(t.dtype == torch.float32 and t.is_cpu for t in tensors) and cpu_build.available()
 
 
 def rms_norm_reference(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,8 +30,7 @@ def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Te
     if not (_f32_cpu(rows_TD, weight_D) and rows_TD.stride(1) == 1 and weight_D.is_contiguous()):
         return rms_norm_reference(x_TD, weight_D, eps)
     y_TD = rows_TD.new_empty(rows_TD.shape)
-    cpu_build.lib().rms_norm_f32(rows_TD.data_ptr(), rows_TD.stride(0), weight_D.data_ptr(), y_TD.data_ptr(), D,
-                                 rows_TD.shape[0], D, eps)
+    torch.ops.moe_serve.rms_norm(rows_TD, weight_D, eps, y_TD)
     return y_TD.view(x_TD.shape)
 
 
@@ -65,10 +65,7 @@ def rope_into(x_TNR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Tensor,
     if not (_rope_fits(x_TNR, cos_TR2, sin_TR2) and out_TNR.dtype == torch.float32 and out_TNR.stride(2) == 1):
         out_TNR.copy_(rope_reference(x_TNR, cos_TR2, sin_TR2, interleaved))
         return
-    T, N, R = x_TNR.shape
-    cpu_build.lib().rope_f32(x_TNR.data_ptr(), x_TNR.stride(0), x_TNR.stride(1), cos_TR2.data_ptr(),
-                             sin_TR2.data_ptr(), out_TNR.data_ptr(), out_TNR.stride(0), out_TNR.stride(1), T, N, R,
-                             int(interleaved))
+    torch.ops.moe_serve.rope(x_TNR, cos_TR2, sin_TR2, interleaved, out_TNR)
 
 
 def mla_cache_write_reference(kv_TD: torch.Tensor, norm_weight_C: torch.Tensor, eps: float, cos_TR2, sin_TR2,
@@ -90,26 +87,20 @@ def mla_cache_write(kv_TD: torch.Tensor, norm_weight_C: torch.Tensor, eps: float
             and slots_T.is_contiguous()):
         mla_cache_write_reference(kv_TD, norm_weight_C, eps, cos_TR2, sin_TR2, interleaved, kv_cache_NbD, slots_T)
         return
-    T, D = kv_TD.shape
-    C = norm_weight_C.shape[0]
-    cpu_build.lib().mla_cache_write_bf16(kv_TD.data_ptr(), kv_TD.stride(0), norm_weight_C.data_ptr(), eps,
-                                         cos_TR2.data_ptr(), sin_TR2.data_ptr(), int(interleaved),
-                                         kv_cache_NbD.data_ptr(), slots_T.data_ptr(), T, C, D - C)
+    torch.ops.moe_serve.mla_cache_write(kv_TD, norm_weight_C, eps, cos_TR2, sin_TR2, interleaved, kv_cache_NbD,
+                                        slots_T)
 
 
 def route_noaux_tc(x_TH: torch.Tensor, gate_weight_EH: torch.Tensor, bias_E: torch.Tensor | None, num_groups: int,
                    topk_group: int, top_k: int, norm_topk_prob: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's routing (noaux_tc, sigmoid) of float32 x by a float32 gate weight, logits included:
     (weights [T, K] float32, ids [T, K] int64), ids in descending order of choice. Reference:
-    experts.router.route (the torch version the model uses elsewhere); the caller checks `route_fits`."""
-    T, H = x_TH.shape
-    E = gate_weight_EH.shape[0]
+    kernels.routing.route_reference (the torch version); the caller checks `route_fits`."""
+    T = x_TH.shape[0]
     ids_TK = torch.empty(T, top_k, dtype=torch.int64)
     weights_TK = torch.empty(T, top_k, dtype=torch.float32)
-    bias_ptr = None if bias_E is None else bias_E.data_ptr()
-    cpu_build.lib().route_noaux_tc_f32(x_TH.data_ptr(), x_TH.stride(0), gate_weight_EH.data_ptr(), H, bias_ptr, T, E,
-                                       num_groups, topk_group, top_k, int(norm_topk_prob), scale, ids_TK.data_ptr(),
-                                       weights_TK.data_ptr())
+    torch.ops.moe_serve.route_noaux_tc(x_TH, gate_weight_EH, bias_E, num_groups, topk_group, norm_topk_prob, scale,
+                                       weights_TK, ids_TK)
     return weights_TK, ids_TK
 
 

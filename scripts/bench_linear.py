@@ -1,13 +1,15 @@
-"""bf16 linear on CPU, against F.linear. Not a test.
+"""bf16 linear on CPU, against F.linear; FP8-weight against bf16-weight kernels. Not a test.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py                # oneDNN-packed bf16 (AVX512)
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py --bf16-weights  # bf16 weight, float32 x (AVX2)
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py --fp8-weights --shape 2048 7168 --rows 1 4 16
 
 Microseconds per call for one [out, in] weight at several row counts, cycling over --weights distinct
 weights so they do not stay in cache (as in a decode step, which reads each weight once). Default: the
 oneDNN-packed path of kernels/cpu_linear.py against F.linear, both bf16. --bf16-weights: the bf16-weight
 kernel of kernels/cpu_bf16w.py (float32 x) against F.linear on the same weights held in float32, which
-is what a CPU without bf16 arithmetic would otherwise run.
+is what a CPU without bf16 arithmetic would otherwise run. --fp8-weights: the FP8-weight kernel (the same
+weights as float8_e4m3fn with (128, 128) block scales) against the bf16-weight kernel, both float32 x.
 """
 
 from __future__ import annotations
@@ -36,12 +38,22 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=2, default=[512, 512], metavar=("OUT", "IN"))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--weights", type=int, default=64)
-    ap.add_argument("--bf16-weights", action="store_true", help="float32 x with bf16 weights (kernels/cpu_bf16w.py)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--bf16-weights", action="store_true", help="float32 x with bf16 weights (kernels/cpu_bf16w.py)")
+    mode.add_argument("--fp8-weights", action="store_true", help="FP8 against bf16 weights, float32 x")
     args = ap.parse_args()
     ws = [torch.randn(*args.shape, dtype=torch.bfloat16) for _ in range(args.weights)]
-    if args.bf16_weights:
-        if not cpu_bf16w.available():
-            raise SystemExit("the bf16-weight kernel cannot be built here (needs x86-64 with AVX2 + FMA and cc)")
+    ref_fn, ref_what = F.linear, "F.linear"
+    if (args.bf16_weights or args.fp8_weights) and not cpu_bf16w.available():
+        raise SystemExit("the CPU kernels cannot run here (needs x86-64 with AVX2, FMA and F16C, c++ and ninja)")
+    if args.fp8_weights:
+        block, (O, K) = (128, 128), args.shape
+        scale = torch.full((-(-O // 128), -(-K // 128)), 1 / 64)
+        fp8 = {id(w): (w.float() * 64).to(torch.float8_e4m3fn) for w in ws}
+        ref_ws, x_dtype, what = ws, torch.float32, "fp8-weight kernel"
+        ref_fn, ref_what = cpu_bf16w.linear, "bf16-weight kernel"
+        new_fn = lambda x, w: cpu_bf16w.linear(x, fp8[id(w)], scale_inv=scale, block=block)  # noqa: E731
+    elif args.bf16_weights:
         ref_ws, x_dtype, what = [w.float() for w in ws], torch.float32, "bf16-weight kernel"
         new_fn = cpu_bf16w.linear
     else:
@@ -51,13 +63,13 @@ def main() -> None:
         ref_ws, x_dtype, what = ws, torch.bfloat16, "packed"
         by_id = {id(w): p for w, p in zip(ws, packed)}
         new_fn = lambda x, w: cpu_linear.linear(x, w, by_id[id(w)])  # noqa: E731
-    print(f"weight {args.shape[0]}x{args.shape[1]} bf16, {args.weights} weights, {torch.get_num_threads()} thread(s)")
-    print(f"{'rows':>6} {'F.linear us':>12} {what + ' us':>22} {'ratio':>6}")
+    print(f"weight {args.shape[0]}x{args.shape[1]}, {args.weights} weights, {torch.get_num_threads()} thread(s)")
+    print(f"{'rows':>6} {ref_what + ' us':>22} {what + ' us':>22} {'ratio':>6}")
     for m in args.rows:
         x = torch.randn(m, args.shape[1], dtype=x_dtype)
-        ref = per_call_us(lambda: [F.linear(x, w) for w in ref_ws], len(ws))
+        ref = per_call_us(lambda: [ref_fn(x, w) for w in ref_ws], len(ws))
         new = per_call_us(lambda: [new_fn(x, w) for w in ws], len(ws))
-        print(f"{m:>6} {ref:>12.1f} {new:>22.1f} {ref / new:>5.2f}x")
+        print(f"{m:>6} {ref:>22.1f} {new:>22.1f} {ref / new:>5.2f}x")
 
 
 if __name__ == "__main__":

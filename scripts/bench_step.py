@@ -6,7 +6,7 @@
 
 Builds the benchmark checkpoint if missing (.cache/bench), adds N requests of random 64-192 token prompts,
 prefills them all, then times --steps decode steps and prints the median and minimum per N. --kernels
-also times every call into the CPU kernels (kernels/cpu_build.py; bf16 on a CPU without bf16 arithmetic)
+also times every call into the CPU kernel ops (kernels/cpu_build.py; bf16 on a CPU without bf16 arithmetic)
 and prints each one's milliseconds per decode step; the rest of the step is torch ops and Python.
 """
 
@@ -80,20 +80,19 @@ def main() -> None:
 
 
 def time_kernels() -> collections.Counter:
-    """Wrap every entry point of the CPU kernel library in a timer; returns the seconds spent per entry."""
-    lib = cpu_build.lib()
-    if lib is None:
-        raise SystemExit("--kernels: the CPU kernels cannot be built here (needs x86-64 with AVX2 + FMA and cc)")
+    """Wrap every CPU kernel op (torch.ops.moe_serve.*) in a timer; returns the seconds spent per op."""
+    if not cpu_build.available():
+        raise SystemExit(f"--kernels: the CPU kernels cannot run here: {cpu_build.unavailable_reason()}")
     spent = collections.Counter()
-    for name in cpu_build.SIGNATURES:
-        def timed(*args, _fn=getattr(lib, name), _name=name):
+    ops = torch.ops.moe_serve
+    for name in cpu_build.OPS:
+        def timed(*args, _fn=getattr(ops, name), _name=name):
             t0 = time.perf_counter()
             out = _fn(*args)
             spent[_name] += time.perf_counter() - t0
             return out
-        setattr(lib, name, timed)
+        setattr(ops, name, timed)  # the wrappers look the op up on every call
     return spent
-
 
 if __name__ == "__main__":
     main()

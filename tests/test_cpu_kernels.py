@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_serve.experts.router import RouterConfig, route
 from moe_serve.kernels import cpu_bf16w, cpu_build, cpu_mla, cpu_moe, cpu_ops, fused_moe, fused_moe_reference
+from moe_serve.kernels.routing import RouterConfig, route_reference
 
-needs_kernels = pytest.mark.skipif(cpu_build.lib() is None, reason="no C compiler or no AVX2 + FMA here")
+needs_kernels = pytest.mark.skipif(not cpu_build.available(), reason=f"{cpu_build.unavailable_reason()}")
 
 
 def _paged_cache(lens, bs, D, seed):
@@ -57,8 +57,8 @@ def test_mla_decode_strided_queries_and_peaked_softmax():
 
 
 def test_mla_decode_refuses_a_context_longer_than_its_table():
-    if cpu_build.lib() is None:
-        pytest.skip("no kernels here")
+    if not cpu_build.available():
+        pytest.skip(cpu_build.unavailable_reason())
     cache, tables, _ = _paged_cache([10], 4, 16, seed=1)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_mla.mla_decode(torch.randn(1, 2, 16), cache, tables, torch.tensor([13]), 8, 1.0)
@@ -96,7 +96,7 @@ def test_one_call_experts_add_the_shared_expert(T, K, S):
     want = fused_moe_reference(x, w13.float(), w2.float(), weights, ids) + shared
     got = cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids, sw13, sw2)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="shared expert weights"):
+    with pytest.raises(ValueError, match="shared_w2 must have unit stride"):
         cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids, sw13, sw2.t())
 
 
@@ -184,8 +184,9 @@ def test_router_equals_reference(E, G, topk_group, K, bias):
                       topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=2.5)
     x, gate = torch.randn(20, 24), torch.randn(E, 24) / 4  # H 24: the logits' vector loop and its tail
     bias_E = torch.randn(E) * 0.1 if bias else None
-    want_w, want_ids = route(x, gate, rc, bias_E)
-    got_w, got_ids = route(x, gate, rc, bias_E, cpu_kernel=True)
+    want_w, want_ids = route_reference(x, gate, bias_E, rc)
+    assert cpu_ops.route_fits(x, gate, bias_E, G, topk_group, K)
+    got_w, got_ids = cpu_ops.route_noaux_tc(x, gate, bias_E, G, topk_group, K, True, 2.5)
     assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
     # same experts per token (the kernel lists them best first; torch's order is unspecified), same weights
     want_order, got_order = want_ids.argsort(dim=1), got_ids.argsort(dim=1)
@@ -277,9 +278,10 @@ def test_decode_layer_kernel_refuses_weights_it_cannot_take():
         return LayerWeights(**{**fields, **change})
 
     assert DecodeLayerKernel(weights()).top_k == 2
-    for change, match in [({"o": bf(H, N * Dv + 1)}, "o must be"),
-                          ({"w2": bf(E, I, H).transpose(1, 2)}, "w2 must be a contiguous"),
-                          ({"q_b": torch.randn(N * (Dn + R), Qr)}, "q_b must be a contiguous torch.bfloat16"),
+    for change, match in [({"o": bf(H, N * Dv + 1)}, r"o must be \[16, 16\], got \[16, 17\]"),
+                          ({"w2": bf(E, I, H).transpose(1, 2)}, "w2 must have unit stride in its last dim"),
+                          ({"q_b": torch.randn(N * (Dn + R), Qr)}, "q_b must be BFloat16 or Float8_e4m3fn, got Float"),
+                          ({"o_scale": torch.ones(2, 2)}, "o is bfloat16: it takes no scale"),
                           ({"router": Router(torch.randn(E, H), None, 3, 1, 2, True, 1.0)}, "routing 2 of 4 experts"),
                           ({"router": Router(torch.randn(E, H), None, 2, 1, 3, True, 1.0)}, "routing 3 of 4 experts"),
                           ({"router": None, "mlp_w13": None, "mlp_w2": None}, "needs routed experts or a dense MLP")]:

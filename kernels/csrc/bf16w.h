@@ -1,5 +1,6 @@
-/* Shared by the CPU kernels of kernels/csrc (built together into one library by kernels/cpu_build.py):
- * AVX2 helpers for bf16 values (the top half of a float32) and the bf16-weight linear they all call. */
+/* Shared by the CPU kernels of kernels/csrc (C, compiled as C++ together with torch_ops.cpp, the torch-op
+ * shim, into one library by kernels/cpu_build.py): AVX2 helpers for bf16 values (the top half of a float32)
+ * and FP8 e4m3fn values, the weight descriptor and the linear they all call. */
 #ifndef MOE_BF16W_H
 #define MOE_BF16W_H
 
@@ -32,7 +33,7 @@ static inline int thread_index(void) {
 static __thread void *scratch_ptr;
 static __thread size_t scratch_size;
 
-static inline void *thread_scratch(size_t bytes) {
+static inline void *thread_scratch(size_t bytes) {  /* NULL when out of memory */
     if (bytes > scratch_size) {
         free(scratch_ptr);
         scratch_ptr = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -59,6 +60,41 @@ static inline float bf16_to_f32(uint16_t h) {
     return v.f;
 }
 
+/* FP8 e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits) to float32 through the fp16 conversion of
+ * F16C: the byte's bits moved into an fp16 (sign to bit 15, exponent and mantissa to bits 13..7) are the
+ * same value times 2^-8 (exponent bias 15 instead of 7), subnormals included; exact. The NaN bytes 0x7f and
+ * 0xff give +-480 instead (checkpoints hold no NaN weights). load_fp8x8: 8 bytes, values times 2^-8. */
+static inline __m256 load_fp8x8(const uint8_t *p) {
+    __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));  /* sign copied into bits 15..8 */
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16((short)0xbfff)));
+}
+
+static inline float fp8_to_f32(uint8_t b) {
+    return _cvtsh_ss((unsigned short)(((b & 0x80) << 8) | ((b & 0x7f) << 7))) * 256.0f;
+}
+
+/* A weight [O, K] (or a batch of them: heads, experts) with unit stride in K: bf16 bits, or FP8 e4m3fn bytes
+ * with float32 block scales where `scale` is set (DeepSeek-V3's weight_scale_inv: the weight is
+ * fp8 * scale[o / bo, k / bk], bo and bk multiples of 8). */
+typedef struct {
+    const void *data;
+    int64_t ld, bsd;         /* elements between rows; between batch entries */
+    const float *scale;      /* NULL: bf16 */
+    int64_t lds, ldsk, bss;  /* scale strides: between block rows, block columns, batch entries */
+    int64_t bo, bk;
+} Weight;
+
+static inline Weight weight_at(Weight w, int64_t b) {  /* batch entry b */
+    w.data = (const char *)w.data + b * w.bsd * (w.scale ? 1 : 2);
+    if (w.scale) w.scale += b * w.bss;
+    return w;
+}
+
+static inline Weight bf16_weight(const uint16_t *w, int64_t ld, int64_t bsd) {
+    Weight r = {w, ld, bsd, NULL, 0, 0, 0, 0, 0};
+    return r;
+}
+
 /* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
  * a degree-6 polynomial; relative error about 2e-7. Values below -87 give 0. */
 static inline __m256 exp_neg(__m256 x) {
@@ -80,13 +116,19 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-/* y[m, o] = sum_k x[m, k] w[o, k]: x float32 [M, K] (row stride ldx), w bf16 [O, K] (row stride ldw),
- * y float32 [M, O] (row stride ldy). linear_bf16w.c; large weights are split over the threads. */
+/* y[m, o] = sum_k x[m, k] w[o, k]: x float32 [M, K] (row stride ldx), w [O, K], y float32 [M, O] (row stride
+ * ldy). linear_bf16w.cpp; large weights are split over the threads. linear_bf16w: the same for a bf16 w
+ * (row stride ldw). */
+void linear_w(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K, int64_t O);
 void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                   int64_t M, int64_t K, int64_t O);
+/* Rows o0 .. o0 + O of an FP8 weight against MB <= 8 rows of x, into y[:, 0..O) (linear_fp8w.cpp). */
+void fp8w_block(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
+                int64_t K, int64_t O);
 
-/* The other kernels, each documented where it is defined (cpu_ops.c, linear_bf16w.c, mla_decode_bf16.c,
- * moe_bf16w.c); declared here so that decode_layer.c calls them and the compiler checks every definition. */
+/* The other kernels, each documented where it is defined (cpu_ops.cpp, linear_bf16w.cpp, mla_decode_bf16.cpp,
+ * moe_bf16w.cpp, decode_layer.cpp); declared here so that decode_layer.cpp and torch_ops.cpp call them and the
+ * compiler checks every definition. */
 void rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t T, int64_t D, float eps);
 void rope_f32(const float *x, int64_t ldx_t, int64_t ldx_n, const float *cos_, const float *sin_, float *y,
               int64_t ldy_t, int64_t ldy_n, int64_t T, int64_t N, int64_t R, int64_t interleaved);
@@ -96,13 +138,35 @@ void route_noaux_tc_f32(const float *x, int64_t ldx, const float *gate, int64_t 
 void mla_cache_write_bf16(const float *kv, int64_t ldkv, const float *norm_w, float eps, const float *cos_,
                           const float *sin_, int64_t interleaved, uint16_t *cache, const int64_t *slots, int64_t T,
                           int64_t C, int64_t R);
-void linear_bf16w_batched(const float *x, int64_t ldx, int64_t bsx, const uint16_t *w, int64_t ldw, int64_t bsw,
-                          float *y, int64_t ldy, int64_t bsy, int64_t M, int64_t K, int64_t O, int64_t batch);
+void linear_w_batched(const float *x, int64_t ldx, int64_t bsx, const Weight *w, float *y, int64_t ldy, int64_t bsy,
+                      int64_t M, int64_t K, int64_t O, int64_t batch);
 int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
                         const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
                         int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale, const int64_t *qrows);
-int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint16_t *w13, const uint16_t *w2,
-                  int64_t E, int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out,
-                  const uint16_t *sw13, int64_t Is, const uint16_t *sw2);
+int64_t moe_w(const float *x, int64_t ldx, int64_t T, int64_t H, const Weight *w13, const Weight *w2, int64_t E,
+              int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out, const Weight *sw13, int64_t Is,
+              const Weight *sw2);
+
+/* One decoder layer's weights for decode_layer_f32 (decode_layer.cpp, which documents the sizes). Linears
+ * [out, in], bf16 or FP8 with scales; norms and the router's gate float32. */
+typedef struct {
+    int64_t H, Qr, N, Dn, R, Dv, C, interleaved;
+    float eps_in, eps_q, eps_kv, eps_post, softmax_scale, routed_scale;
+    const float *in_norm, *q_a_norm, *kv_a_norm, *post_norm;
+    Weight q_a, q_b;   /* q_a [Qr, H], q_b [N (Dn + R), Qr]; with Qr = 0, q_b is q_proj [N (Dn + R), H] */
+    Weight kv_a;       /* [C + R, H] */
+    Weight w_uk;       /* [N, C, Dn] */
+    Weight w_uv;       /* [N, Dv, C] */
+    Weight o;          /* [H, N Dv] */
+    int64_t E, G, topk_group, K, norm_topk;
+    const float *router, *router_bias; /* [E, H], [E] (may be NULL) */
+    int64_t Ie, Is;
+    Weight w13, w2;    /* [E, 2 Ie, H], [E, H, Ie] */
+    Weight sw13, sw2;  /* [2 Is, H], [H, Is]; data NULL: none (E > 0) */
+} DecodeLayer;
+
+int64_t decode_layer_f32(const DecodeLayer *w, float *x, int64_t T, const float *cos_, const float *sin_,
+                         uint16_t *cache, int64_t bs, const int64_t *slots, const int64_t *rows, const int64_t *tables,
+                         int64_t ld_t, const int64_t *lens, int64_t *ids);
 
 #endif

@@ -1,18 +1,18 @@
-/* Routed experts with bf16 weights and float32 activations on AVX2 + FMA, in one call (the torch path's
+/* Routed experts with bf16 or block-FP8 weights and float32 activations on AVX2 + FMA, in one call (the torch path's
  * sort, gather, grouped GEMMs and scatter of kernels/fused_moe_torch.py; reference: kernels/reference.py).
  *
  *   out[t] = sum_k wts[t, k] * w2[e] (silu(gate) * up),  gate | up = w13[e] x[t],  e = ids[t, k] != -1
  *
  * Pairs (t, k) are counted into expert order (stable); each expert's rows, up to CHUNK at a time, are one
- * work item: gathered, multiplied by w13[e] and w2[e] through linear_bf16w (which reads each weight once for
+ * work item: gathered, multiplied by w13[e] and w2[e] through linear_w (which reads each weight once for
  * all the rows) with a vectorised SiLU between. With one thread, or fewer than two items per thread, items
  * run in turn, each product splitting its weight rows over the threads, and add into out as they finish;
- * otherwise threads take whole items and out is summed per token afterwards (see moe_bf16w).
+ * otherwise threads take whole items and out is summed per token afterwards (see moe_w).
  *
  * With sw13 (may be NULL) a shared expert of intermediate size Is, sw13 [2 Is, H] and sw2 [H, Is], is added
  * for every token (DeepSeek's shared experts, weight 1); with E = 0 it is a dense MLP.
  *
- * Shapes: x [T, H] (row stride ldx), w13 [E, 2I, H] and w2 [E, H, I] bf16 contiguous, ids [T, K] int64
+ * Shapes: x [T, H] (row stride ldx), w13 [E, 2I, H] and w2 [E, H, I] (Weight: bf16 or FP8), ids [T, K] int64
  * and wts [T, K] float32 contiguous, out [T, H] float32 contiguous (overwritten).
  * Returns 0; 1 + the index of the first pair whose id lies outside [-1, E) (nothing computed then); or -1
  * when the scratch memory cannot be had.
@@ -52,19 +52,19 @@ static inline void add_scaled(float *o, const float *y, float w, int64_t H) {
 }
 
 /* y [R, H] = w2 (silu(gate) * up) with gate | up = w13 x for R rows of x (row stride ldx); h [R, 2I] scratch */
-static inline void expert_rows(const float *x, int64_t ldx, int64_t R, int64_t H, const uint16_t *w13,
-                               const uint16_t *w2, int64_t I, float *h, float *y) {
-    linear_bf16w(x, ldx, w13, H, h, 2 * I, R, H, 2 * I);
+static inline void expert_rows(const float *x, int64_t ldx, int64_t R, int64_t H, const Weight *w13,
+                               const Weight *w2, int64_t I, float *h, float *y) {
+    linear_w(x, ldx, w13, h, 2 * I, R, H, 2 * I);
     silu_and_mul(h, R, I);
-    linear_bf16w(h, 2 * I, w2, I, y, H, R, I, H);
+    linear_w(h, 2 * I, w2, y, H, R, I, H);
 }
 
 /* The sorted pairs and the work list of one call, shared by the threads */
 typedef struct {
     const float *x;
     int64_t ldx, T, H, K, I, Is;
-    const uint16_t *w13, *w2, *sw13, *sw2;
-    const int64_t *start, *order, *item_e, *item_r;  /* see moe_bf16w */
+    const Weight *w13, *w2, *sw13, *sw2;
+    const int64_t *start, *order, *item_e, *item_r;  /* see moe_w */
 } Work;
 
 /* Runs work item `it` into y [R, H] and returns R: the shared expert's rows r0.. of x for e = -1, else expert
@@ -79,13 +79,14 @@ static int64_t run_item(const Work *w, int64_t it, float *xg, float *h, float *y
     int64_t R = w->start[e + 1] - r0 < CHUNK ? w->start[e + 1] - r0 : CHUNK;
     for (int64_t r = 0; r < R; r++)
         memcpy(xg + r * H, w->x + (w->order[r0 + r] / w->K) * w->ldx, H * sizeof(float));
-    expert_rows(xg, H, R, H, w->w13 + e * 2 * w->I * H, w->w2 + e * H * w->I, w->I, h, y);
+    Weight w13 = weight_at(*w->w13, e), w2 = weight_at(*w->w2, e);
+    expert_rows(xg, H, R, H, &w13, &w2, w->I, h, y);
     return R;
 }
 
-int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint16_t *w13, const uint16_t *w2,
-                  int64_t E, int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out,
-                  const uint16_t *sw13, int64_t Is, const uint16_t *sw2) {
+int64_t moe_w(const float *x, int64_t ldx, int64_t T, int64_t H, const Weight *w13, const Weight *w2, int64_t E,
+              int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out, const Weight *sw13, int64_t Is,
+              const Weight *sw2) {
     int64_t N = T * K;
     for (int64_t i = 0; i < N; i++)
         if (ids[i] < -1 || ids[i] >= E) return 1 + i;
@@ -107,7 +108,7 @@ int64_t moe_bf16w(const float *x, int64_t ldx, int64_t T, int64_t H, const uint1
      * its weight rows over the threads (decode: a few rows per expert). */
     int by_item = nt > 1 && pair_bytes <= PAIR_BUFFER_MAX;
     size_t need = head + 64 + (by_item ? pair_bytes + (size_t)nt * (work + 64) : work) + 64;
-    char *buf = thread_scratch(need);
+    char *buf = (char *)thread_scratch(need);
     if (!buf) return -1;
     int64_t *start = (int64_t *)buf;      /* start[e]: first sorted slot of expert e */
     int64_t *order = start + (E + 1);     /* sorted slot -> pair index */

@@ -65,7 +65,7 @@ void route_noaux_tc_f32(const float *x, int64_t ldx, const float *gate, int64_t 
                         int64_t E, int64_t G, int64_t topk_group, int64_t K, int64_t norm, float scale, int64_t *ids,
                         float *wts) {
     int64_t per = E / G;
-    float *s = thread_scratch((size_t)(2 * E + G) * sizeof(float));
+    float *s = (float *)thread_scratch((size_t)(2 * E + G) * sizeof(float));
     if (!s) {  /* no memory: mark every slot as routed nowhere */
         for (int64_t i = 0; i < T * K; i++) { ids[i] = -1; wts[i] = 0.0f; }
         return;

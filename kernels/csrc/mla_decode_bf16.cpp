@@ -99,7 +99,7 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
         int64_t L = lens[b];
         for (int64_t n = 0; n < N; n++)
             for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
-        float *scratch = L > 0 ? thread_scratch((size_t)(N * L) * sizeof(float)) : 0;
+        float *scratch = L > 0 ? (float *)thread_scratch((size_t)(N * L) * sizeof(float)) : NULL;
         if (L > 0 && !scratch) failed = 1;
         if (!scratch) continue;
         const int64_t *table = tables + b * ld_t;

@@ -1,5 +1,6 @@
 /* y = x w^T for float32 x and bf16 w, float32 accumulation, on AVX2 + FMA: the linear of a bf16 model on a
- * CPU without bf16 arithmetic (kernels/cpu_bf16w.py holds its reference).
+ * CPU without bf16 arithmetic (kernels/cpu_bf16w.py holds its reference). The drivers here (tiles, threads,
+ * batches) also run FP8 weights, whose blocks of rows are in linear_fp8w.cpp.
  *
  * The weight is loaded as bf16 (2 bytes a value, half a float32 copy) and widened in registers. Rows go in
  * blocks of up to 8, each weight row (o) against every row of the block; a block of MB rows keeps MB x U
@@ -57,21 +58,25 @@ static const block_fn BLOCKS[9] = {0, block_1, block_2, block_3, block_4, block_
 #define TILE_BYTES (64 << 10)
 #define PARALLEL_MIN_WEIGHTS (1 << 16)  /* smaller weights take one thread: a fork costs about a microsecond */
 
-static void linear_serial(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+/* rows o0 .. o0 + O of w into y[:, 0..O), one thread */
+static void linear_serial(const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
                           int64_t M, int64_t K, int64_t O) {
-    int64_t tile = M <= 8 ? O : TILE_BYTES / (2 * (K > 0 ? K : 1));
+    int64_t tile = M <= 8 ? O : TILE_BYTES / ((w->scale ? 1 : 2) * (K > 0 ? K : 1));
     if (tile < 8) tile = 8;
-    for (int64_t o0 = 0; o0 < O; o0 += tile) {
-        int64_t ot = O - o0 < tile ? O - o0 : tile;
+    for (int64_t t0 = 0; t0 < O; t0 += tile) {
+        int64_t ot = O - t0 < tile ? O - t0 : tile;
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
             int64_t mb = M - m0 < 8 ? M - m0 : 8;
-            BLOCKS[mb](x + m0 * ldx, ldx, w + o0 * ldw, ldw, y + m0 * ldy + o0, ldy, K, ot);
+            if (w->scale)
+                fp8w_block(mb, x + m0 * ldx, ldx, w, o0 + t0, y + m0 * ldy + t0, ldy, K, ot);
+            else
+                BLOCKS[mb](x + m0 * ldx, ldx, (const uint16_t *)w->data + (o0 + t0) * w->ld, w->ld,
+                           y + m0 * ldy + t0, ldy, K, ot);
         }
     }
 }
 
-void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
-                  int64_t M, int64_t K, int64_t O) {
+void linear_w(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K, int64_t O) {
     int nt = threads_for_region();
     if (nt > 1 && O >= 16 && O * K >= PARALLEL_MIN_WEIGHTS) {
 #ifdef _OPENMP
@@ -81,22 +86,30 @@ void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, f
         if (run < 16) run = 16;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t o0 = 0; o0 < O; o0 += run)
-            linear_serial(x, ldx, w + o0 * ldw, ldw, y + o0, ldy, M, K, O - o0 < run ? O - o0 : run);
+            linear_serial(x, ldx, w, o0, y + o0, ldy, M, K, O - o0 < run ? O - o0 : run);
         return;
 #endif
     }
-    linear_serial(x, ldx, w, ldw, y, ldy, M, K, O);
+    linear_serial(x, ldx, w, 0, y, ldy, M, K, O);
 }
 
-/* The same for a batch of independent products (per-head weights): x, w and y of batch b start at
- * x + b * bsx, w + b * bsw and y + b * bsy. */
-void linear_bf16w_batched(const float *x, int64_t ldx, int64_t bsx, const uint16_t *w, int64_t ldw, int64_t bsw,
-                          float *y, int64_t ldy, int64_t bsy, int64_t M, int64_t K, int64_t O, int64_t batch) {
+void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+                  int64_t M, int64_t K, int64_t O) {
+    Weight wb = bf16_weight(w, ldw, 0);
+    linear_w(x, ldx, &wb, y, ldy, M, K, O);
+}
+
+/* The same for a batch of independent products (per-head weights): x and y of batch b start at x + b * bsx
+ * and y + b * bsy, its weight is weight_at(*w, b). */
+void linear_w_batched(const float *x, int64_t ldx, int64_t bsx, const Weight *w, float *y, int64_t ldy, int64_t bsy,
+                      int64_t M, int64_t K, int64_t O, int64_t batch) {
     int nt = threads_for_region();
     (void)nt;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) if (nt > 1 && batch > 1)
 #endif
-    for (int64_t b = 0; b < batch; b++)
-        linear_serial(x + b * bsx, ldx, w + b * bsw, ldw, y + b * bsy, ldy, M, K, O);
+    for (int64_t b = 0; b < batch; b++) {
+        Weight wb = weight_at(*w, b);
+        linear_serial(x + b * bsx, ldx, &wb, 0, y + b * bsy, ldy, M, K, O);
+    }
 }
