@@ -21,7 +21,11 @@ from moe_serve.kernels.layer_spec import DecoderLayerSpec
 from moe_serve.kernels.ops import MLPWeights
 from moe_serve.kernels.routing import RouterConfig
 
-_NARROW = (torch.bfloat16,)  # weight dtypes the C kernels widen
+
+
+def _kernel_weight(w: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """A weight the C kernels widen as they compute: bf16 without scales, or block FP8 with its scales."""
+    return (w.dtype == torch.bfloat16 and scale is None) or (w.dtype == torch.float8_e4m3fn and scale is not None)
 
 
 class CpuBackend(TorchBackend):
@@ -31,6 +35,9 @@ class CpuBackend(TorchBackend):
         super().__init__(device, fp8_block)
         if self.device.type != "cpu":
             raise ValueError(f"--kernel-backend cpu runs on the CPU, not on {self.device}")
+        if fp8_block and any(b <= 0 or b % 8 for b in fp8_block):
+            raise ValueError(f"--kernel-backend cpu takes FP8 blocks of multiples of 8, this checkpoint's "
+                             f"weight_block_size is {list(fp8_block)}; use --kernel-backend torch")
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -59,22 +66,29 @@ class CpuBackend(TorchBackend):
             return None
         linears = [spec.q_b, spec.kv_a, spec.o] + ([spec.q_a] if spec.q_a is not None else [])
         mlps = [m for m in (spec.experts, spec.mlp) if m is not None]
-        if (any(lin.weight.dtype not in _NARROW or lin.scale_inv is not None for lin in linears)
-                or any(m.w13.dtype not in _NARROW or m.w13_scale is not None for m in mlps)
-                or spec.w_uk_NCD.dtype not in _NARROW or (rc is not None and spec.gate_EH.dtype != torch.float32)):
+        if (not all(_kernel_weight(lin.weight, lin.scale_inv) for lin in linears)
+                or not all(_kernel_weight(m.w13, m.w13_scale) and _kernel_weight(m.w2, m.w2_scale) for m in mlps)
+                or not _kernel_weight(spec.w_uk_NCD, spec.w_uk_scale) or not _kernel_weight(spec.w_uv_NVC, spec.w_uv_scale)
+                or (rc is not None and spec.gate_EH.dtype != torch.float32)):
             return None
         router = None if rc is None else cpu_decode_layer.Router(
             spec.gate_EH, spec.gate_bias_E, rc.num_groups, rc.topk_group, rc.top_k, rc.norm_topk_prob,
             rc.routed_scaling_factor)
         norm = lambda n: (n.weight, n.eps)  # noqa: E731
+        ex, mlp = spec.experts, spec.mlp
         weights = cpu_decode_layer.LayerWeights(
             in_norm=norm(spec.in_norm), q_a=None if spec.q_a is None else spec.q_a.weight,
             q_a_norm=None if spec.q_a_norm is None else norm(spec.q_a_norm), q_b=spec.q_b.weight,
             kv_a=spec.kv_a.weight, kv_a_norm=norm(spec.kv_a_norm), w_uk_NCD=spec.w_uk_NCD, w_uv_NVC=spec.w_uv_NVC,
             o=spec.o.weight, softmax_scale=spec.softmax_scale, rope_interleaved=spec.rope_interleaved,
             post_norm=norm(spec.post_norm), router=router,
-            w13=None if spec.experts is None else spec.experts.w13, w2=None if spec.experts is None else spec.experts.w2,
-            mlp_w13=None if spec.mlp is None else spec.mlp.w13, mlp_w2=None if spec.mlp is None else spec.mlp.w2)
+            w13=None if ex is None else ex.w13, w2=None if ex is None else ex.w2,
+            mlp_w13=None if mlp is None else mlp.w13, mlp_w2=None if mlp is None else mlp.w2,
+            q_a_scale=None if spec.q_a is None else spec.q_a.scale_inv, q_b_scale=spec.q_b.scale_inv,
+            kv_a_scale=spec.kv_a.scale_inv, w_uk_scale=spec.w_uk_scale, w_uv_scale=spec.w_uv_scale,
+            o_scale=spec.o.scale_inv, w13_scale=None if ex is None else ex.w13_scale,
+            w2_scale=None if ex is None else ex.w2_scale, mlp_w13_scale=None if mlp is None else mlp.w13_scale,
+            mlp_w2_scale=None if mlp is None else mlp.w2_scale, fp8_block=self.fp8_block)
         try:
             return FusedDecodeLayer(cpu_decode_layer.DecodeLayerKernel(weights))
         except (ValueError, RuntimeError):  # a shape the kernel does not take: the layer runs op by op
@@ -85,8 +99,8 @@ class CpuBackend(TorchBackend):
         return F.embedding(ids_T, weight_VH).float()
 
     def linear(self, x_TI, w_OI, scale_inv=None, bias_O=None) -> torch.Tensor:
-        if scale_inv is None and w_OI.dtype in _NARROW:
-            return cpu_bf16w.linear(x_TI, w_OI, bias_O)
+        if _kernel_weight(w_OI, scale_inv) and x_TI.dtype == torch.float32:
+            return cpu_bf16w.linear(x_TI, w_OI, bias_O, scale_inv, self.fp8_block)
         return super().linear(x_TI, w_OI, scale_inv, bias_O)
 
     def rms_norm(self, x_TD, w_D, eps: float) -> torch.Tensor:
@@ -99,8 +113,8 @@ class CpuBackend(TorchBackend):
         cpu_ops.mla_cache_write(kv_TD, norm_w_C, eps, cos_TR2, sin_TR2, interleaved, kv_cache, slots_T)
 
     def bmm_wt(self, x_BMK: torch.Tensor, w_BOK: torch.Tensor, scale_inv=None) -> torch.Tensor:
-        if scale_inv is None and w_BOK.dtype in _NARROW and x_BMK.dtype == torch.float32:
-            return cpu_bf16w.bmm(x_BMK, w_BOK)
+        if _kernel_weight(w_BOK, scale_inv) and x_BMK.dtype == torch.float32:
+            return cpu_bf16w.bmm(x_BMK, w_BOK, scale_inv, self.fp8_block)
         return super().bmm_wt(x_BMK, w_BOK, scale_inv)
 
     def mla_decode(self, q_BNK, kv_cache, meta, latent_dim: int, scale: float) -> torch.Tensor:
@@ -121,12 +135,15 @@ class CpuBackend(TorchBackend):
 
     def fused_moe(self, x_TH, experts: MLPWeights, topk_weights_TK, topk_ids_TK,
                   shared: MLPWeights | None = None) -> torch.Tensor:
-        """Routed experts and the shared expert in one C call where the weights are bf16."""
-        shared_ok = shared is None or (shared.w13_scale is None and shared.w13.dtype == shared.w2.dtype == torch.bfloat16
-                                       and shared.w13.is_contiguous() and shared.w2.is_contiguous())
-        if experts.w13_scale is None and shared_ok and cpu_moe.fits(x_TH, experts.w13, experts.w2):
-            return cpu_moe.fused_moe_bf16w(x_TH, experts.w13, experts.w2, topk_weights_TK, topk_ids_TK,
-                                           None if shared is None else shared.w13, None if shared is None else shared.w2)
+        """Routed experts and the shared expert in one C call where the weights are bf16 or block FP8."""
+        shared_ok = shared is None or cpu_moe.fits(x_TH, shared.w13[None], shared.w2[None], shared.w13_scale,
+                                                   shared.w2_scale)
+        if shared_ok and cpu_moe.fits(x_TH, experts.w13, experts.w2, experts.w13_scale, experts.w2_scale):
+            s = shared or MLPWeights(None, None)
+            return cpu_moe.fused_moe_bf16w(x_TH, experts.w13, experts.w2, topk_weights_TK, topk_ids_TK, s.w13, s.w2,
+                                           w13_scale=experts.w13_scale, w2_scale=experts.w2_scale,
+                                           shared_w13_scale=s.w13_scale, shared_w2_scale=s.w2_scale,
+                                           block=self.fp8_block)
         return super().fused_moe(x_TH, experts, topk_weights_TK, topk_ids_TK, shared)
 
 
@@ -136,10 +153,11 @@ class FusedDecodeLayer:
     def __init__(self, kernel: cpu_decode_layer.DecodeLayerKernel):
         self.kernel = kernel
 
-    def __call__(self, x_TH, cos_TR2, sin_TR2, kv_cache, meta, recorder=None) -> torch.Tensor:
+    def __call__(self, x_TH, cos_TR2, sin_TR2, kv_cache, meta, recorder=None) -> torch.Tensor | None:
+        """The layer's output, or None for inputs the kernel does not take (float32 activations and a bf16 KV
+        cache): the layer then runs op by op."""
         if not cpu_decode_layer.fits(x_TH, cos_TR2, sin_TR2, kv_cache, meta.slot_mapping_T):
-            raise ValueError(f"the fused decode layer takes float32 activations and a bf16 KV cache, got "
-                             f"{x_TH.dtype} and {kv_cache.dtype}")
+            return None
         rows_B, tables_BM, lens_B, max_len = meta.decode_i64()
         x_TH = x_TH.clone()
         ids_TK = None if recorder is None else torch.empty(x_TH.shape[0], self.kernel.top_k, dtype=torch.int64)

@@ -27,6 +27,9 @@ class CudaBackend(TorchBackend):
         super().__init__(device, fp8_block)
         if self.device.type != "cuda" and not interpreting():
             raise ValueError(f"--kernel-backend cuda runs on a CUDA device, not on {self.device}")
+        if fp8_block and any(b < 16 or b & (b - 1) for b in fp8_block):  # Triton tiles are powers of two
+            raise ValueError(f"--kernel-backend cuda takes FP8 blocks of powers of two from 16, this checkpoint's "
+                             f"weight_block_size is {list(fp8_block)}; use --kernel-backend torch")
 
     @staticmethod
     def unavailable_reason() -> str | None:

@@ -1,5 +1,5 @@
 """Linear layers with bf16 or block-FP8 weights and float32 activations on CPU: how `--dtype bfloat16` (and
-an FP8 checkpoint) computes on a CPU without bf16 arithmetic (server/runner.compute_dtype).
+an FP8 checkpoint) computes on a CPU without bf16 arithmetic (the cpu kernel backend, kernels/backend_cpu.py).
 
 There torch's bf16 matmuls are scalar loops, so the model computes in float32 while its linear and expert
 weights stay bf16: half the memory, and at decode sizes, where a linear reads its whole weight for a few

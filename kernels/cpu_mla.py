@@ -1,5 +1,5 @@
 """MLA decode attention over a paged bf16 latent cache with float32 queries, on CPU: how `--dtype bfloat16`
-attends on a CPU without bf16 arithmetic (server/runner.compute_dtype), through csrc/mla_decode_bf16.cpp (the
+attends on a CPU without bf16 arithmetic (the cpu kernel backend, kernels/backend_cpu.py), through csrc/mla_decode_bf16.cpp (the
 torch op moe_serve::mla_decode).
 
 In torch that step gathers each sequence's cache blocks, widens them to float32, and runs two bmm, a

@@ -1,6 +1,6 @@
 """Routed experts with bf16 or block-FP8 weights and float32 activations on CPU in one C call
 (csrc/moe_bf16w.cpp, the torch op moe_serve::fused_moe): how `--dtype bfloat16` runs its experts on a CPU
-without bf16 arithmetic (server/runner.compute_dtype).
+without bf16 arithmetic (the cpu kernel backend, kernels/backend_cpu.py).
 
 The torch path (kernels/fused_moe_torch.py) costs a sort, a host sync, a gather and a Python loop of
 GEMMs per call; at decode sizes those ops cost more than the arithmetic. The kernel counts pairs into

@@ -1,7 +1,7 @@
 """RMSNorm, rotary embedding and DeepSeek-V3's router for float32 on CPU, one C call each
 (csrc/cpu_ops.cpp, torch ops moe_serve::rms_norm / rope / mla_cache_write / route_noaux_tc), beside their
 torch references. The model uses them where it computes bf16 weights in
-float32 (server/runner.compute_dtype), as the other kernels of that mode: at decode sizes the composite
+float32 (the cpu kernel backend, kernels/backend_cpu.py), as the other kernels of that mode: at decode sizes the composite
 torch versions cost 5-15 us of dispatch per op, several ops each, on every layer.
 
 Legend: T tokens, D features, N heads, R rope dims, E routed experts, G groups, K experts per token.

@@ -22,7 +22,8 @@ weight's per-block scales, None for other weights):
   route(x_TH, gate_EH, bias_E, router_config) -> (topk_weights_TK float32, topk_ids_TK int64)
   fused_moe(x_TH, experts, topk_weights_TK, topk_ids_TK, shared) -> y_TH   routed (+ shared) experts
   prepare(model)                                   once after loading: the weights as the backend wants them
-  fused_decode_layer(spec) -> callable | None      an optional whole-layer fast path for decode steps
+  fused_decode_layer(spec) -> callable | None      an optional whole-layer fast path for decode steps (the
+                                                   callable returns None for inputs it does not take)
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, tp_group=None, reduce: bool = True,
                  fp8_block: tuple[int, int] | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp_group, fp8_block)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, ("gate_proj", "up_proj"),
+                                                       tp_group, fp8_block)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_group, reduce=reduce, fp8_block=fp8_block)
 
     def weights(self) -> MLPWeights:

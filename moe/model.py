@@ -141,7 +141,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x_TH, cos_TR2, sin_TR2, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         if self.fast_decode is not None and meta.all_decode:
-            return self.fast_decode(x_TH, cos_TR2, sin_TR2, kv_cache, meta, getattr(self.mlp, "load_recorder", None))
+            y_TH = self.fast_decode(x_TH, cos_TR2, sin_TR2, kv_cache, meta, getattr(self.mlp, "load_recorder", None))
+            if y_TH is not None:  # None: inputs the fast path does not take (e.g. the KV cache's dtype)
+                return y_TH
         x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), cos_TR2, sin_TR2, kv_cache, meta)
         return x_TH + self.mlp(self.post_attention_layernorm(x_TH))
 

@@ -98,11 +98,13 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel linears of one input as one weight (a MLP's gate and up projections): each
     part's rows are split over the group, and this rank holds its share of part 0, then of part 1, ...
-    The checkpoint stores the parts as separate tensors; the loader places each with `load_part`."""
+    The checkpoint stores the parts as separate tensors, named `part_names` beside this module; the loader
+    places each with `load_part`."""
 
-    def __init__(self, in_features: int, part_features: list[int], group=None,
+    def __init__(self, in_features: int, part_features: list[int], part_names: tuple[str, ...], group=None,
                  fp8_block: tuple[int, int] | None = None):
         super().__init__()
+        self.part_names = tuple(part_names)
         self.rank, size = group_rank_size(group)
         self.tp_size = size
         if any(n % size for n in part_features):
@@ -124,6 +126,8 @@ class MergedColumnParallelLinear(LinearBase):
         want = (rows * self.tp_size, target.shape[1])
         if tuple(full.shape) != want:
             raise ValueError(f"has shape {tuple(full.shape)}, the model expects {want}")
+        if not scale and (target.dtype == FP8_DTYPE) != (full.dtype == FP8_DTYPE):
+            raise ValueError(f"is {full.dtype}, the model holds this weight in {target.dtype} (quantization_config)")
         target[first:first + rows].copy_(full[self.rank * rows:(self.rank + 1) * rows])
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:

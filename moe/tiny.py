@@ -75,7 +75,7 @@ LOGIT_STD = 8.0  # std of lm_head logits for a unit-RMS final hidden state
 ROUTER_LOGIT_STD = 2.0  # std of router logits; sigmoid/softmax stay out of saturation
 SCORE_BIAS_RANGE = 0.15  # e_score_correction_bias ~ U(-r, r): flips some top-k choices, not most
 NORM_WEIGHT_RANGE = (0.8, 1.2)
-FP8_BLOCK = (128, 128)
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's; smaller models get the largest square block that fits (fp8_block_for)
 _FP8_KEY = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\..*\.weight$")
 _ROUTER_KEY = re.compile(r"\.mlp\.gate\.weight$")
 
@@ -174,13 +174,24 @@ def _mtp_tensors(model: PreTrainedModel, sd: dict[str, torch.Tensor], seed: int)
     return {f"model.layers.{n}.{k}": v for k, v in extra.items()}
 
 
-def _to_storage(sd: dict[str, torch.Tensor], dtype: torch.dtype, fp8: bool) -> dict[str, torch.Tensor]:
+def fp8_block_for(config: PretrainedConfig) -> tuple[int, int]:
+    """DeepSeek-V3's 128 x 128 blocks, or for a model too small for them the largest square block of 64, 32 or
+    16 that splits every head (qk_nope / v dims) and every expert's and MLP's intermediate size into whole
+    blocks, also over two tensor-parallel ranks (the serving side needs whole blocks there)."""
+    dims = [config.qk_nope_head_dim, config.v_head_dim, config.moe_intermediate_size // 2, config.intermediate_size // 2]
+    for b in (128, 64, 32, 16):
+        if all(d % b == 0 for d in dims):
+            return (b, b)
+    raise ValueError(f"no FP8 block of 16 or more divides {dims} (qk_nope, v, half of the intermediate sizes)")
+
+
+def _to_storage(sd: dict[str, torch.Tensor], dtype: torch.dtype, fp8: tuple[int, int] | None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
         if name.endswith("e_score_correction_bias"):
             out[name] = t.float().contiguous()  # float32 in the real V3 checkpoint too
         elif fp8 and t.dim() == 2 and _FP8_KEY.match(name) and not _ROUTER_KEY.search(name):
-            out[name], out[name + "_scale_inv"] = quantize_fp8_block(t, FP8_BLOCK)
+            out[name], out[name + "_scale_inv"] = quantize_fp8_block(t, fp8)
         else:
             out[name] = t.to(dtype).contiguous()
     return out
@@ -261,7 +272,8 @@ def write_checkpoint(out_dir, config: PretrainedConfig, sd: dict[str, torch.Tens
     written even where it equals the default), generation_config.json and the tokenizer files."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = _to_storage(sd, getattr(torch, dtype), fp8)
+    block = fp8_block_for(config) if fp8 else None
+    tensors = _to_storage(sd, getattr(torch, dtype), block)
     for stale in out.glob("model*.safetensors*"):  # shards of an earlier call would confuse loaders
         stale.unlink()
     files = _write_shards(tensors, out, num_shards)
@@ -276,7 +288,7 @@ def write_checkpoint(out_dir, config: PretrainedConfig, sd: dict[str, torch.Tens
     cfg["torch_dtype"] = dtype
     if fp8:
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                      "weight_block_size": list(FP8_BLOCK)}
+                                      "weight_block_size": list(block)}
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id, do_sample=False).save_pretrained(out)

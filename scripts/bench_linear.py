@@ -1,14 +1,11 @@
-"""bf16 linear on CPU, against F.linear; FP8-weight against bf16-weight kernels. Not a test.
+"""The CPU backend's linear kernels: bf16 weights against F.linear in float32, FP8 against bf16 weights. Not a test.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py                # oneDNN-packed bf16 (AVX512)
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py --bf16-weights  # bf16 weight, float32 x (AVX2)
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py                 # bf16 weight, float32 x
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py --fp8-weights --shape 2048 7168 --rows 1 4 16
 
 Microseconds per call for one [out, in] weight at several row counts, cycling over --weights distinct
 weights so they do not stay in cache (as in a decode step, which reads each weight once). Default: the
-oneDNN-packed path of kernels/cpu_linear.py against F.linear, both bf16. --bf16-weights: the bf16-weight
-kernel of kernels/cpu_bf16w.py (float32 x) against F.linear on the same weights held in float32, which
-is what a CPU without bf16 arithmetic would otherwise run. --fp8-weights: the FP8-weight kernel (the same
+bf16-weight kernel of kernels/cpu_bf16w.py (float32 x) against F.linear on the same weights held in float32. --fp8-weights: the FP8-weight kernel (the same
 weights as float8_e4m3fn with (128, 128) block scales) against the bf16-weight kernel, both float32 x.
 """
 
@@ -21,7 +18,7 @@ import time
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from moe_serve.kernels import cpu_bf16w, cpu_linear  # noqa: E402
+from moe_serve.kernels import cpu_bf16w  # noqa: E402
 
 
 def per_call_us(fn, calls: int, repeats: int = 5) -> float:
@@ -38,13 +35,11 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=2, default=[512, 512], metavar=("OUT", "IN"))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--weights", type=int, default=64)
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--bf16-weights", action="store_true", help="float32 x with bf16 weights (kernels/cpu_bf16w.py)")
-    mode.add_argument("--fp8-weights", action="store_true", help="FP8 against bf16 weights, float32 x")
+    ap.add_argument("--fp8-weights", action="store_true", help="FP8 against bf16 weights, float32 x")
     args = ap.parse_args()
     ws = [torch.randn(*args.shape, dtype=torch.bfloat16) for _ in range(args.weights)]
-    ref_fn, ref_what = F.linear, "F.linear"
-    if (args.bf16_weights or args.fp8_weights) and not cpu_bf16w.available():
+    ref_fn, ref_what = F.linear, "F.linear float32"
+    if not cpu_bf16w.available():
         raise SystemExit("the CPU kernels cannot run here (needs x86-64 with AVX2, FMA and F16C, c++ and ninja)")
     if args.fp8_weights:
         block, (O, K) = (128, 128), args.shape
@@ -53,16 +48,9 @@ def main() -> None:
         ref_ws, x_dtype, what = ws, torch.float32, "fp8-weight kernel"
         ref_fn, ref_what = cpu_bf16w.linear, "bf16-weight kernel"
         new_fn = lambda x, w: cpu_bf16w.linear(x, fp8[id(w)], scale_inv=scale, block=block)  # noqa: E731
-    elif args.bf16_weights:
+    else:
         ref_ws, x_dtype, what = [w.float() for w in ws], torch.float32, "bf16-weight kernel"
         new_fn = cpu_bf16w.linear
-    else:
-        packed = [cpu_linear.pack(w) for w in ws]
-        if packed[0] is None:
-            raise SystemExit("oneDNN bf16 packing is not available on this CPU / torch build")
-        ref_ws, x_dtype, what = ws, torch.bfloat16, "packed"
-        by_id = {id(w): p for w, p in zip(ws, packed)}
-        new_fn = lambda x, w: cpu_linear.linear(x, w, by_id[id(w)])  # noqa: E731
     print(f"weight {args.shape[0]}x{args.shape[1]}, {args.weights} weights, {torch.get_num_threads()} thread(s)")
     print(f"{'rows':>6} {ref_what + ' us':>22} {what + ' us':>22} {'ratio':>6}")
     for m in args.rows:

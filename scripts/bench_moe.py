@@ -12,7 +12,7 @@ on that thread): other processes preempting this one then do not count, only the
   .venv/bin/python scripts/bench_moe.py --dtype bf16w   # bf16 weights, float32 activations (AVX2 CPUs)
 
 --dtype bf16w times the block as `--dtype bfloat16` computes on a CPU without bf16 arithmetic
-(server/runner.compute_dtype): bf16 weights, float32 activations, routed and shared experts in one C call
+(the cpu kernel backend, kernels/backend_cpu.py): bf16 weights, float32 activations, routed and shared experts in one C call
 (kernels/cpu_moe.py). Transformers runs the same bf16 weights in bf16 (what it does with this checkpoint)
 and, as a second baseline, the same values widened to float32.
 """

@@ -6,7 +6,7 @@
 
 Builds the benchmark checkpoint if missing (.cache/bench), adds N requests of random 64-192 token prompts,
 prefills them all, then times --steps decode steps and prints the median and minimum per N. --kernels
-also times every call into the CPU kernel ops (kernels/cpu_build.py; bf16 on a CPU without bf16 arithmetic)
+also times every call into the CPU kernel ops (kernels/cpu_build.py; the cpu kernel backend)
 and prints each one's milliseconds per decode step; the rest of the step is torch ops and Python.
 """
 
@@ -30,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=".cache/bench")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
     ap.add_argument("--running", type=int, nargs="+", default=[1, 12, 64])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
@@ -41,14 +42,14 @@ def main() -> None:
     kernel_s = time_kernels() if args.kernels else None
     if args.model == ".cache/bench":
         ensure_checkpoint(Path(args.model), "bench")
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.running), max_num_batched_tokens=2048,
+    llm = LLM(args.model, dtype=args.dtype, kernel_backend=args.kernel_backend, max_num_seqs=max(args.running), max_num_batched_tokens=2048,
               kv_cache_tokens=65536)
     engine = llm.engine
     if args.layer_by_layer:
         for layer in engine.runner.model.model.layers:
-            layer.decode_kernel = None
+            layer.fast_decode = None
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
-    print(f"{args.model} {args.dtype}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
+    print(f"{args.model} {args.dtype}, kernel backend {args.kernel_backend}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
     print(f"{'running':>8} {'prefill all ms':>15} {'step median ms':>15} {'step min ms':>12}")
     for n in args.running:
         g = torch.Generator().manual_seed(args.seed)

@@ -29,6 +29,10 @@ def _setup_logging(verbose: bool) -> None:
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (the checkpoint's)")
+    p.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "cpu", "cuda"),
+                   help="how the model's ops run: cuda (Triton + torch CUDA), cpu (C kernels: x86 AVX2 + FMA, "
+                        "float32 activations on bf16 / FP8 weights), torch (plain torch, the reference); "
+                        "auto: cuda on GPUs, else cpu where it builds, else torch")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -39,7 +43,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    return dict(dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
 

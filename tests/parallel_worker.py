@@ -22,7 +22,7 @@ def main() -> None:
     rank = llm.engine.parallel.rank
     stats = llm.stats()
     layers = llm.engine.runner.model.model.layers
-    decode_kernels = sum(getattr(layer, "decode_kernel", None) is not None for layer in layers)  # CPU bf16 mode
+    decode_kernels = sum(getattr(layer, "fast_decode", None) is not None for layer in layers)  # CPU backend, bf16
     Path(f"{out}.rank{rank}").write_text(json.dumps({"tokens": tokens, "stats": stats,
                                                      "decode_layer_kernels": decode_kernels}))
 

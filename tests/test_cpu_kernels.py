@@ -231,18 +231,16 @@ def test_mla_cache_write_equals_reference(interleaved):
 def test_decode_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch, preset, overrides, fused_layers):
     """All-decode steps run each layer in one C call (kernels/cpu_decode_layer.py) where it can: the same
     greedy tokens, logprobs and recorded expert load as the model's layer-by-layer kernel calls."""
-    from moe_serve.server.core import runner as server_runner
     from moe_serve.kernels.cpu_decode_layer import DecodeLayerKernel
     from moe_serve.moe.tiny import make_checkpoint
     from moe_serve.server import LLM, SamplingParams
 
-    monkeypatch.setattr(server_runner, "bf16_supported", lambda: False)  # bf16 weights, float32 compute
     ckpt = make_checkpoint(tmp_path / preset, preset, dtype="bfloat16", overrides=overrides)
-    fused, plain = (LLM(ckpt, dtype="bfloat16", max_num_batched_tokens=16) for _ in range(2))
+    fused, plain = (LLM(ckpt, dtype="bfloat16", kernel_backend="cpu", max_num_batched_tokens=16) for _ in range(2))
     layers = fused.engine.runner.model.model.layers
-    assert [i for i, layer in enumerate(layers) if layer.decode_kernel is not None] == fused_layers
+    assert [i for i, layer in enumerate(layers) if layer.fast_decode is not None] == fused_layers
     for layer in plain.engine.runner.model.model.layers:
-        layer.decode_kernel = None
+        layer.fast_decode = None
     calls = []
     monkeypatch.setattr(DecodeLayerKernel, "forward",
                         lambda self, x, *a, _f=DecodeLayerKernel.forward: calls.append(x.shape[0]) or _f(self, x, *a))

@@ -29,8 +29,8 @@ def test_recorded_load_equals_router_choices(checkpoint, monkeypatch):
     layer_of = {id(b.gate.weight): i for i, b in blocks.items()}
     E = llm.engine.model_config.n_routed_experts
 
-    def counting_route(x, gate_weight, rc, bias=None, cpu_kernel=False):
-        w, ids = real_route(x, gate_weight, rc, bias, cpu_kernel)
+    def counting_route(x, gate_weight, rc, bias=None):
+        w, ids = real_route(x, gate_weight, rc, bias)
         layer = layer_of[id(gate_weight)]
         counted[layer] = counted.get(layer, torch.zeros(E, dtype=torch.long)) + torch.bincount(ids.flatten(), minlength=E)
         return w, ids

@@ -98,21 +98,20 @@ def test_layout_matches_single_process(checkpoint, tmp_path, preset, name):
     for rank, result in enumerate(run_layout(ckpt, tmp_path, layout, nproc)):
         assert result["tokens"] == expected, f"rank {rank} of {name}"
     if layout.get("enable_expert_parallel"):
-        stats = run_layout.__wrapped__ if False else result["stats"]
+        stats = result["stats"]
         assert stats["dispatch_rows_sent_remote"] > 0
         assert stats["dispatch_bytes_sent"] <= stats["dispatch_naive_bytes_sent"]
 
 
 @pytest.mark.skipif(cpu_build.lib() is None, reason="no C compiler or no AVX2 + FMA here")
-def test_bf16_pipeline_stages_run_their_decode_layers_in_one_call(tmp_path, monkeypatch):
-    """bf16 weights computing in float32 through the CPU kernels (MOE_CPU_BF16_COMPUTE=float32 takes that path
-    on any x86 CPU): each of two pipeline stages runs its own layers' decode steps one C call per layer
-    (kernels/cpu_decode_layer.py), and the greedy tokens equal the single-process run's."""
-    monkeypatch.setenv("MOE_CPU_BF16_COMPUTE", "float32")
+def test_bf16_pipeline_stages_run_their_decode_layers_in_one_call(tmp_path):
+    """bf16 weights computing in float32 through the CPU kernel backend (--kernel-backend cpu): each of two
+    pipeline stages runs its own layers' decode steps one C call per layer (kernels/cpu_decode_layer.py), and
+    the greedy tokens equal the single-process run's."""
     ckpt = str(make_checkpoint(tmp_path / "bf16", "v3", dtype="bfloat16"))
-    llm = LLM(ckpt, dtype="bfloat16")
+    llm = LLM(ckpt, dtype="bfloat16", kernel_backend="cpu")
     layers = llm.engine.runner.model.model.layers
-    assert all(layer.decode_kernel is not None for layer in layers)
+    assert all(layer.fast_decode is not None for layer in layers)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     expected = [o.outputs[0].token_ids for o in outs]
     for rank, result in enumerate(run_layout(ckpt, tmp_path, {"pipeline_parallel_size": 2}, 2, dtype="bfloat16")):

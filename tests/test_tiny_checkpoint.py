@@ -197,8 +197,9 @@ def test_dequantize_round_trip():
 
 def test_fp8_and_mtp_checkpoint(v3_fp8_mtp, v3):
     cfg = json.loads((v3_fp8_mtp / "config.json").read_text())
+    # blocks of 16: the largest that splits the tiny model's 16-dim heads into whole blocks (DeepSeek-V3: 128)
     assert cfg["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                          "weight_block_size": [128, 128]}
+                                          "weight_block_size": [16, 16]}
     assert cfg["num_nextn_predict_layers"] == 1
     index = json.loads((v3_fp8_mtp / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == 3
@@ -212,9 +213,9 @@ def test_fp8_and_mtp_checkpoint(v3_fp8_mtp, v3):
     for k in fp8_keys:
         w, s = tensors[k], tensors[k + "_scale_inv"]
         assert s.dtype == torch.float32
-        assert tuple(s.shape) == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+        assert tuple(s.shape) == (-(-w.shape[0] // 16), -(-w.shape[1] // 16))
         if k in plain:  # same seed: FP8 weights are the plain ones, quantized
-            deq = dequantize_fp8_block(w, s)
+            deq = dequantize_fp8_block(w, s, (16, 16))
             assert ((deq - plain[k]).norm() / plain[k].norm()) < 0.05, k
     n = cfg["num_hidden_layers"]
     for k in ["embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
@@ -271,3 +272,16 @@ def test_bfloat16_and_overrides(tmp_path):
     assert tensors["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.bfloat16
     model = load_reference_model(ckpt, dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16 and len(model.model.layers) == 2
+
+
+def test_fp8_block_fits_the_model():
+    from types import SimpleNamespace
+
+    from moe_serve.moe.tiny import fp8_block_for
+
+    dims = dict(qk_nope_head_dim=128, v_head_dim=128, moe_intermediate_size=256, intermediate_size=1024)
+    assert fp8_block_for(SimpleNamespace(**dims)) == (128, 128)  # DeepSeek-V3's, where whole blocks fit
+    assert fp8_block_for(SimpleNamespace(**{**dims, "moe_intermediate_size": 64})) == (32, 32)  # 32 per TP rank
+    assert fp8_block_for(SimpleNamespace(**{**dims, "qk_nope_head_dim": 16})) == (16, 16)
+    with pytest.raises(ValueError, match="no FP8 block"):
+        fp8_block_for(SimpleNamespace(**{**dims, "v_head_dim": 8}))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_serve.balancer.rebalancer import EplbConfig
+from moe_serve.kernels.select import CHOICES as KERNEL_BACKENDS
 from moe_serve.parallel.config import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,6 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     device: str = "auto"  # auto = cuda when available, else cpu (under torchrun: cuda:LOCAL_RANK)
+    kernel_backend: str = "auto"  # auto | torch | cpu | cuda (kernels/select.py)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -42,6 +44,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in (*DTYPES, "auto"):
             raise ValueError(f"dtype {self.dtype!r} is not supported; expected one of {[*DTYPES, 'auto']}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

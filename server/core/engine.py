@@ -63,7 +63,7 @@ class EngineCore:
         self.structured = StructuredOutputs(config.model, mc.vocab_size, self.eos_token_id)
         self.runner = ModelRunner(config.model, mc, self.dtype, num_blocks, config.block_size, self.parallel,
                                   seed=config.seed, placement=self._initial_placement(num_slots), startup=timer,
-                                  structured=self.structured)
+                                  structured=self.structured, kernel_backend=config.kernel_backend)
         log.info("loaded %s (%s) in %.1f s", config.model, str(self.dtype).removeprefix("torch."),
                  timer.seconds["weight_load"] + timer.seconds["kv_cache"])
         self.expert_load_recorder = None

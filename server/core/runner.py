@@ -7,15 +7,14 @@ Legend: T = tokens in the step, B = decode sequences, M = blocks per sequence, V
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from moe_serve.kernels import cpu_bf16w
-from moe_serve.kernels.cpu_linear import bf16_supported
+from moe_serve.kernels import ops
+from moe_serve.kernels.select import select_backend
 from moe_serve.moe.attention import AttentionMetadata, PrefillSeq
 from moe_serve.moe.config import ModelConfig
 from moe_serve.moe.loader import load_checkpoint
@@ -33,26 +32,6 @@ log = logging.getLogger(__name__)
 
 
 DECODE_GROUP_ROWS = 16  # decode rows per attention group: fewer make the batched GEMMs too thin
-
-
-def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the model computes in for weights of `dtype`. On a CPU without bf16 arithmetic (AVX2
-    only), torch's bf16 matmuls fall back to scalar loops, 3-10x slower than float32 there (17x for the
-    latent-attention bmm), so bf16 computes in float32 on the same bf16 values instead, as vLLM's CPU
-    kernels widen bf16 to float32 on such CPUs: the linear and expert weights stay bf16 and are widened
-    as they are used (kernels/cpu_bf16w.py), the other weights are bf16-rounded and held in float32, the
-    KV cache stays bf16.
-
-    MOE_CPU_BF16_COMPUTE=float32 takes that path on any CPU (to compare it with torch's bf16 kernels where
-    those exist), =bfloat16 never takes it; unset or auto: as above."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
-        return dtype
-    choice = os.environ.get("MOE_CPU_BF16_COMPUTE", "auto")
-    if choice not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"MOE_CPU_BF16_COMPUTE must be auto, float32 or bfloat16, got {choice!r}")
-    if choice == "float32" or (choice == "auto" and not bf16_supported()):
-        return torch.float32
-    return dtype
 
 
 def decode_group_bounds(num_rows: int, rows_per_group: int = DECODE_GROUP_ROWS) -> list[tuple[int, int]]:
@@ -86,14 +65,13 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int,
                  state: ParallelState, seed: int = 0, placement: dict[int, list[int]] | None = None,
-                 startup: PhaseTimer | None = None, structured: StructuredOutputs | None = None):
+                 startup: PhaseTimer | None = None, structured: StructuredOutputs | None = None,
+                 kernel_backend: str = "auto"):
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, state.device, block_size
-        self.compute_dtype = compute_dtype(dtype, state.device)
-        if self.compute_dtype != dtype:
-            why = ("MOE_CPU_BF16_COMPUTE=float32" if os.environ.get("MOE_CPU_BF16_COMPUTE") == "float32"
-                   else "this CPU has no bf16 arithmetic (no AVX512/AVX-NE-CONVERT)")
-            log.info("%s: computing in float32 on bf16 weights (widened as used; CPU kernels: %s); KV cache in bf16",
-                     why, "yes" if cpu_bf16w.available() else "no, torch references on widened copies")
+        # the kernel backend, once per process and before any weight exists (kernels/ops.py)
+        backend = select_backend(kernel_backend, state.device, cfg.quant_block_shape)
+        ops.use(backend)
+        log.info("kernel backend: %s (%s)", backend.name, backend.describe())
         self.pp = state.pp
         pcfg = state.config
         layer_range = stage_layer_range(cfg.num_hidden_layers, pcfg.pipeline_parallel_size, state.coords.pp_rank)
@@ -102,17 +80,14 @@ class ModelRunner:
         self.startup = startup or PhaseTimer()  # times weight_load and kv_cache
         with self.startup.phase("weight_load"):
             prev = torch.get_default_dtype()
-            torch.set_default_dtype(self.compute_dtype)
+            torch.set_default_dtype(dtype)  # weights as served; FP8 ones as stored (moe/parallel_linear.py)
             try:
                 with torch.device(self.device):
                     self.model = DeepseekForCausalLM(cfg, tp, ep, layer_range, placement)
             finally:
                 torch.set_default_dtype(prev)
             self.model.requires_grad_(False)
-            widened = self.compute_dtype != dtype
-            load_checkpoint(self.model, model_dir, cfg, weight_dtype=dtype if widened else None)
-            if widened:
-                self.model.hold_weights_in(dtype)
+            load_checkpoint(self.model, model_dir, cfg)
             self.model.eval()
         with self.startup.phase("kv_cache"):
             # One latent cache tensor per local layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
