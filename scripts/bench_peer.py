@@ -168,7 +168,9 @@ def start_server(spec: EngineSpec, log_path: Path, timeout_s: float) -> tuple[su
         env.pop(k)
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(spec.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+        # Run outside the repository: its top-level folders (kernels/, server/, ...) would shadow
+        # packages of the same name in a peer's interpreter (transformers imports `kernels`).
+        proc = subprocess.Popen(spec.cmd, cwd=log_path.parent.resolve(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     while True:
         if proc.poll() is not None:
