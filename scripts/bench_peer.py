@@ -123,14 +123,22 @@ def parse_env(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in shlex.split(text))
 
 
-def moe_spec(ckpt: Path, args: argparse.Namespace) -> EngineSpec:
+def moe_spec(ckpt: Path, args: argparse.Namespace, name: str = "moe", venv: Path = REPO / ".venv") -> EngineSpec:
+    """Our server from `venv` (this checkout's; `moe-base`: another checkout's, an A/B of two versions)."""
     port = free_port()
-    cmd = [str(REPO / ".venv" / "bin" / "python"), "-m", "moe_serve.server", "serve", str(ckpt),
+    cmd = [str(venv / "bin" / "python"), "-m", "moe_serve.server", "serve", str(ckpt),
            "--dtype", best_dtype("moe", args.moe_dtype),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, *shlex.split(args.moe_args)]
     versions = {"moe-serve": bench._version("moe-serve"), "git_commit": bench.git_commit(),
                 "torch": bench._version("torch"), "triton": bench._version("triton")}
-    return EngineSpec("moe", cmd, parse_env(args.moe_env), "/ready", port, versions)
+    if name != "moe":
+        versions = {"venv": str(venv), "git_commit": bench.git_commit(_checkout_of(venv))}
+    return EngineSpec(name, cmd, parse_env(args.moe_env), "/ready", port, versions)
+
+
+def _checkout_of(venv: Path) -> Path:
+    """The checkout a venv's editable moe-serve install points at (its parent folder by our layout)."""
+    return Path(venv).resolve().parent
 
 
 def vllm_spec(ckpt: Path, args: argparse.Namespace, versions: dict, name: str, env: str) -> EngineSpec:
@@ -362,7 +370,7 @@ def plot(result: dict, path: Path) -> None:
     xs = list(range(len(rates)))
     labels = ["inf" if math.isinf(r) else f"{r:g}" for r in rates]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = {"moe": "tab:blue", "vllm": "tab:orange", "vllm-auto": "tab:green"}
+    colors = {"moe": "tab:blue", "moe-base": "tab:purple", "vllm": "tab:orange", "vllm-auto": "tab:green"}
     ax = axes[0]
     for name, doc in engines.items():
         ax.plot(xs, [r["summary"]["goodput"] for r in doc["rates"]], "o-", color=colors.get(name), label=f"{name} goodput")
@@ -445,6 +453,10 @@ def ratios(result: dict) -> dict:
         out[f"best goodput moe / {peer}"] = _ratio(best_goodput(eng["moe"])[0], best_goodput(eng[peer])[0])
         out[f"output tok/s at inf moe / {peer}"] = _ratio(eng["moe"]["rates"][-1]["summary"]["output_throughput"],
                                                           eng[peer]["rates"][-1]["summary"]["output_throughput"])
+    if "moe" in eng and "moe-base" in eng:
+        out["best goodput moe / moe-base"] = _ratio(best_goodput(eng["moe"])[0], best_goodput(eng["moe-base"])[0])
+        out["output tok/s at inf moe / moe-base"] = _ratio(eng["moe"]["rates"][-1]["summary"]["output_throughput"],
+                                                           eng["moe-base"]["rates"][-1]["summary"]["output_throughput"])
     tf = result.get("transformers")
     if tf:
         for name, doc in eng.items():
@@ -460,7 +472,9 @@ def main() -> int:
     ap.add_argument("--out", default="out/peer")
     ap.add_argument("--model", default=str(REPO / ".cache" / "bench"), help="checkpoint (made with preset bench if missing)")
     ap.add_argument("--engines", nargs="+", default=["moe", "vllm", "vllm-auto", "transformers"],
-                    choices=["moe", "vllm", "vllm-auto", "transformers"])
+                    choices=["moe", "moe-base", "vllm", "vllm-auto", "transformers"])
+    ap.add_argument("--moe-base-venv", default=None,
+                    help="moe-base: our server from this venv (another checkout's .venv), under the same load")
     ap.add_argument("--request-rates", type=float, nargs="+", default=[4, 6, 8, 12, math.inf])
     ap.add_argument("--dataset", default=None, help="JSONL request set (else generated and saved in --out)")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -527,9 +541,13 @@ def main() -> int:
         specs.append(vllm_spec(ckpt, args, versions, name, args.vllm_env if name == "vllm" else args.vllm_auto_env))
     if "moe" in args.engines:
         specs.append(moe_spec(ckpt, args))
+    if "moe-base" in args.engines:
+        if not args.moe_base_venv:
+            raise SystemExit("--engines moe-base needs --moe-base-venv (another checkout's .venv)")
+        specs.append(moe_spec(ckpt, args, "moe-base", Path(args.moe_base_venv)))
     if specs:
         docs = compare(specs, args, requests, out)
-        result["engines"] = {name: docs[name] for name in ("moe", "vllm", "vllm-auto") if name in docs}
+        result["engines"] = {name: docs[name] for name in ("moe", "moe-base", "vllm", "vllm-auto") if name in docs}
     if "transformers" in args.engines:
         print("[peer] transformers generate (offline floor)", flush=True)
         quiet = QuietGate(args.quiet_cores, 60.0).wait()
