@@ -38,7 +38,7 @@ def _moe_gemm_kernel(
     GATED: tl.constexpr,  # w holds gate rows [0, out_cols) then up rows [out_cols, 2 out_cols): out = silu(g) * u
     SCALE_BY_ROUTE: tl.constexpr,  # multiply each output row by its pair's routing weight
     FP8: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot multiplies bf16 bit patterns
+    UPCAST_DOT: tl.constexpr,  # float32 tl.dot: the interpreter's bf16 one is wrong, FP8 ones need K >= 32
     FP32_IEEE: tl.constexpr,  # float32 inputs: exact products instead of tf32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -160,7 +160,9 @@ def moe_gemm(a, a_scale, w, w_scale, c, topk_weights_N, align, *, top_k, fuse_si
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
         block_shape[0], block_shape[1],
         PAIRS_PER_ROW=top_k, GATED=fuse_silu, SCALE_BY_ROUTE=mul_routed_weight, FP8=fp8,
-        UPCAST_DOT=_INTERPRETED and a.dtype == torch.bfloat16, FP32_IEEE=a.dtype == torch.float32,
+        # the interpreter's tl.dot multiplies bf16 bit patterns; a GPU's FP8 tl.dot needs K >= 32 (blocks of 16)
+        UPCAST_DOT=(_INTERPRETED and a.dtype == torch.bfloat16) or (fp8 and config["BLOCK_SIZE_K"] < 32),
+        FP32_IEEE=a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_SIZE_K"], GROUP_M=config["GROUP_SIZE_M"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )

@@ -141,10 +141,10 @@ def _grouped_mm_moe(x_TH, w13_EH2I, w2_EIH, weights_TK, ids_TK):
     h = torch._grouped_mm(rows, w13_EH2I, offs=offs)
     I = h.shape[-1] // 2
     h = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
-    y = torch._grouped_mm(h, w2_EIH, offs=offs) * weights_TK.flatten()[order, None]
-    out = torch.zeros_like(x_TH)
+    y = torch._grouped_mm(h, w2_EIH, offs=offs).float() * weights_TK.flatten()[order, None]
+    out = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
     out.index_add_(0, order // K, y)
-    return out
+    return out.to(x_TH.dtype)
 
 
 def bench_moe(H: int, I: int, E_local: int, K: int, tokens: list[int], device, block: int) -> list[dict]:
@@ -198,6 +198,42 @@ def bench_linear(shapes: list[tuple[int, int]], tokens: list[int], device, block
             rows.append({"out": O, "in": I, "tokens": T, "torch_mm_bf16_ms": round(mm, 4),
                          "torch_mm_bf16_tflops": round(flops / mm / 1e9, 1), "triton_fp8_ms": round(fp8, 4),
                          "triton_fp8_tflops": round(flops / fp8 / 1e9, 1)})
+    return rows
+
+
+def sweep_fp8_linear(shapes: list[tuple[int, int]], tokens: list[int], device, block: int) -> list[dict]:
+    """The FP8 linear's Triton tile per row count: milliseconds of each candidate (kernels/fp8_linear_triton.py
+    config_for picks one per size class; this is how to choose it on a new card)."""
+    from moe_serve.kernels import fp8_linear_triton as fl
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    chosen = fl.config_for
+    rows = []
+    try:
+        for O, I in shapes:
+            w = (torch.randn(1, O, I, generator=g) / I ** 0.5).to(device, torch.bfloat16)
+            w_q, w_s = _quantize_blocks(w, block)
+            for T in tokens:
+                x = torch.randn(T, I, generator=g).to(device, torch.bfloat16)
+                timed = {}
+                for bm in (16, 64):
+                    for bn in (32, 64, 128):
+                        for bk in (64, 128):
+                            for stages in (3, 5):
+                                if bk > block or (bm == 64 and T < 64) or (bm == 16 and T > 128):
+                                    continue
+                                cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=1 if bm == 16 else 8,
+                                           num_warps=4, num_stages=stages)
+                                fl.config_for = lambda _T, _b, _c=cfg: _c
+                                timed[f"m{bm} n{bn} k{bk} s{stages}"] = time_ms(
+                                    lambda: fl.fp8_linear_triton(x, w_q[0], w_s[0], (block, block)), device, 2, 5)
+                fl.config_for = chosen
+                now = time_ms(lambda: fl.fp8_linear_triton(x, w_q[0], w_s[0], (block, block)), device, 2, 5)
+                best = min(timed, key=timed.get)
+                rows.append({"out": O, "in": I, "tokens": T, "current_ms": round(now, 4), "best": best,
+                             "best_ms": round(timed[best], 4), "all": {k: round(v, 4) for k, v in timed.items()}})
+    finally:
+        fl.config_for = chosen
     return rows
 
 
@@ -336,6 +372,12 @@ def main() -> int:
         results["fp8_linear"] = section(lambda: bench_linear(lin_shapes, lin_tokens, dev, block))
         results["fp8_error"] = section(lambda: fp8_kernel_error(dev, 64 if args.tiny else 256, 32 if args.tiny else 256,
                                                                 block))
+        if not args.tiny:
+            results["fp8_linear_tiles"] = section(lambda: sweep_fp8_linear(lin_shapes, [1, 16, 128, 512], dev, block))
+            print("\n## FP8 linear tiles\n" + table([{k: v for k, v in r.items() if k != "all"}
+                                                      for r in results["fp8_linear_tiles"]]
+                                                     if isinstance(results["fp8_linear_tiles"], list)
+                                                     else results["fp8_linear_tiles"]), flush=True)
         results["bf16_matmul_peak_tflops"] = section(lambda: matmul_peak(dev, 512 if args.tiny else 8192))
         print(f"\n## fused MoE (H {H}, I {I}, top-{K}; bf16 matmul peak here "
               f"{results['bf16_matmul_peak_tflops']} TFLOP/s)\n" + table(results["fused_moe"]), flush=True)
