@@ -94,22 +94,32 @@ def parity(ckpt: Path, name: str, dtype: str, device: str, prompts: list[str], m
     from moe_serve.server import LLM
 
     runs = {}
-    for backend in ("torch", "cuda"):
-        llm = LLM(str(ckpt), dtype=dtype, device=device, kernel_backend=backend, kv_cache_tokens=8192,
+    for key, backend, run_dtype in (("torch", "torch", dtype), ("cuda", "cuda", dtype), ("float32", "torch", "float32")):
+        llm = LLM(str(ckpt), dtype=run_dtype, device=device, kernel_backend=backend, kv_cache_tokens=8192,
                   max_num_batched_tokens=512)
         t0 = time.perf_counter()
-        runs[backend] = _generate(llm, prompts, max_tokens)
-        runs[backend + "_s"] = time.perf_counter() - t0
+        runs[key] = _generate(llm, prompts, max_tokens)
+        runs[key + "_s"] = time.perf_counter() - t0
         del llm
-    same, first_diff, max_lp = 0, [], 0.0
-    for ref, got in zip(runs["torch"], runs["cuda"]):
-        n = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), len(ref.token_ids))
-        same += n == len(ref.token_ids)
-        first_diff.append(n)
-        for t, a, b in list(zip(ref.token_ids, ref.logprobs, got.logprobs))[:n]:
-            max_lp = max(max_lp, abs(a[t] - b[t]))
+
+    def agreement(want, got) -> tuple[int, list[int], float]:
+        same, first_diff, max_lp = 0, [], 0.0
+        for ref, out in zip(want, got):
+            n = next((i for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b), len(ref.token_ids))
+            same += n == len(ref.token_ids)
+            first_diff.append(n)
+            for t, a, b in list(zip(ref.token_ids, ref.logprobs, out.logprobs))[:n]:
+                max_lp = max(max_lp, abs(a[t] - b[t]))
+        return same, first_diff, round(max_lp, 5)
+
+    same, first, lp = agreement(runs["torch"], runs["cuda"])
+    # the torch backend in float32 on the same stored values: how far each dtype-`dtype` backend is from it
+    same_t, first_t, _ = agreement(runs["float32"], runs["torch"])
+    same_c, first_c, _ = agreement(runs["float32"], runs["cuda"])
     return {"checkpoint": name, "dtype": dtype, "prompts": len(prompts), "identical": same,
-            "first_divergence": first_diff, "max_logprob_diff_before_divergence": round(max_lp, 5),
+            "first_divergence": first, "max_logprob_diff_before_divergence": lp,
+            "torch_vs_fp32_identical": same_t, "torch_vs_fp32_first_divergence": first_t,
+            "cuda_vs_fp32_identical": same_c, "cuda_vs_fp32_first_divergence": first_c,
             "torch_s": round(runs["torch_s"], 2), "cuda_s": round(runs["cuda_s"], 2)}
 
 
