@@ -132,7 +132,7 @@ def moe_spec(ckpt: Path, args: argparse.Namespace, name: str = "moe", venv: Path
     versions = {"moe-serve": bench._version("moe-serve"), "git_commit": bench.git_commit(),
                 "torch": bench._version("torch"), "triton": bench._version("triton")}
     if name != "moe":
-        versions = {"venv": str(venv), "git_commit": bench.git_commit(_checkout_of(venv))}
+        versions = {"venv": str(venv), "git_commit": bench.git_commit(_checkout_of(venv)), "checkpoint": str(ckpt)}
     return EngineSpec(name, cmd, parse_env(args.moe_env), "/ready", port, versions)
 
 
@@ -475,6 +475,8 @@ def main() -> int:
                     choices=["moe", "moe-base", "vllm", "vllm-auto", "transformers"])
     ap.add_argument("--moe-base-venv", default=None,
                     help="moe-base: our server from this venv (another checkout's .venv), under the same load")
+    ap.add_argument("--moe-base-model", default=None,
+                    help="moe-base serves this checkpoint (default --model): e.g. the same one in FP8, same vocabulary")
     ap.add_argument("--request-rates", type=float, nargs="+", default=[4, 6, 8, 12, math.inf])
     ap.add_argument("--dataset", default=None, help="JSONL request set (else generated and saved in --out)")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -544,7 +546,8 @@ def main() -> int:
     if "moe-base" in args.engines:
         if not args.moe_base_venv:
             raise SystemExit("--engines moe-base needs --moe-base-venv (another checkout's .venv)")
-        specs.append(moe_spec(ckpt, args, "moe-base", Path(args.moe_base_venv)))
+        base_ckpt = Path(args.moe_base_model) if args.moe_base_model else ckpt
+        specs.append(moe_spec(base_ckpt, args, "moe-base", Path(args.moe_base_venv)))
     if specs:
         docs = compare(specs, args, requests, out)
         result["engines"] = {name: docs[name] for name in ("moe", "moe-base", "vllm", "vllm-auto") if name in docs}

@@ -144,14 +144,19 @@ def test_peers_that_reported_and_exited_are_not_named_as_lost():
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
     wd = Watchdog(0, "127.0.0.1", store.port, timeout_s=5)
-    for r in (1, 2, 3):  # addresses of closed listeners: connections are refused
+    # Addresses that refuse connections: sockets bound but not listening, held open for the whole test (a closed
+    # one's port could be handed out again, even as the probe's own source port, which then connects to itself).
+    bound = []
+    for r in (1, 2, 3):
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         wd._liveness[r] = s.getsockname()
-        s.close()
+        bound.append(s)
     assert wd._diagnose((0, 1, 2, 3)) == ([1, 2, 3], "1, 2, 3")  # no reports: every gone rank is named
     store.set(REPORTED_KEY.format(1), "1")
     store.set(REPORTED_KEY.format(2), "1")
     lost, text = wd._diagnose((0, 1, 2, 3))
     assert lost == [3]
     assert text == "3; already reported and exited: 1, 2"
+    for s in bound:
+        s.close()
