@@ -1,7 +1,7 @@
 """Greedy float32 tokens and logprobs of the engine equal transformers' implementation of the same
 checkpoint, for V3-style (YaRN, sigmoid + bias, noaux_tc), V2-Lite-style (no q_lora, softmax, greedy)
 and V2 group-limited routing; in one mixed batch, under KV pressure (preemptions) and with shared
-prefixes (prefix-cache hits)."""
+prefixes (prefix-cache hits); on the cpu and torch kernel backends."""
 
 from __future__ import annotations
 
@@ -58,9 +58,18 @@ def _assert_same(outs, ref):
         assert out.outputs[0].token_ids == ref_tokens, f"prompt {out.prompt!r}"
 
 
+def _backend(name: str) -> str:
+    from moe_serve.kernels import cpu_build
+
+    if name == "cpu" and not cpu_build.available():
+        pytest.skip(f"CPU kernels: {cpu_build.unavailable_reason()}")
+    return name
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("preset", ["v3", "v2", "v2-group"])
-def test_greedy_batch_matches_transformers(checkpoint, preset):
-    llm, outs, ref = _run(checkpoint(preset))
+def test_greedy_batch_matches_transformers(checkpoint, preset, backend):
+    llm, outs, ref = _run(checkpoint(preset), kernel_backend=_backend(backend))
     _assert_same(outs, ref)
     for out, (_, ref_logprobs) in zip(outs, ref):
         for step, (chosen, ref_lp) in enumerate(zip(out.outputs[0].token_ids, ref_logprobs)):
@@ -92,8 +101,9 @@ def test_chunked_prefill_with_tiny_budget(checkpoint):
     _assert_same(outs, ref)
 
 
-def test_fp8_checkpoint_matches_dequantized_reference(checkpoint):
-    llm, outs, ref = _run(checkpoint("v3", fp8=True))
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_fp8_checkpoint_matches_dequantized_reference(checkpoint, backend):
+    llm, outs, ref = _run(checkpoint("v3", fp8=True), kernel_backend=_backend(backend))
     _assert_same(outs, ref)
 
 
