@@ -2,8 +2,9 @@
 
 Every `interval` steps the rebalancer sums the recorded window of expert load over the EP group,
 plans new placements with `rebalance_experts(..., previous=current)` (so most slots keep their
-expert), and then, `layers_per_step` layers after each following step, has each MoE block load its
-changed slots from the ranks holding those experts and switch its maps. Placement only ever changes
+expert) in a background thread while `plan_steps` more steps run, and then, `layers_per_step` layers
+after each following step, has each MoE block load its changed slots from the ranks holding those
+experts and switch its maps. Placement only ever changes
 between steps, never inside a forward pass. Every rank of an EP group calls `after_step` after the
 same steps and computes the same plan from the same all-reduced load, so their moves match.
 """
@@ -11,6 +12,7 @@ same steps and computes the same plan from the same all-reduced load, so their m
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +32,16 @@ class EplbConfig:
     num_redundant_experts: int = 0  # extra physical slots per MoE layer, over the whole EP group
     layers_per_step: int = 1  # layers whose weights move after one step
     min_gain: float = 0.01  # a periodic plan moves weights only if mean balancedness rises by at least this
+    # A periodic plan is computed in a background thread while this many steps run, then taken (waiting for
+    # it if it is late) at the same step on every rank; 0 = computed on the step path.
+    plan_steps: int = 2
 
     def __post_init__(self) -> None:
         for name in ("window", "interval", "layers_per_step"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"eplb {name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.plan_steps, int) or self.plan_steps < 0:
+            raise ValueError(f"eplb plan_steps must be an integer >= 0, got {self.plan_steps!r}")
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts!r}")
         if not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain <= 1:
@@ -58,6 +65,8 @@ class Rebalancer:
         self.layers = sorted(blocks)
         self.blocks = blocks
         self.pending: list[tuple[int, list[int]]] = []
+        self._planner: ThreadPoolExecutor | None = None  # one thread, started with the first background plan
+        self._planning: tuple[int, Future] | None = None  # (the step it is taken after, the plan's future)
         self.steps = 0
         self.num_rebalances = 0
         self.slots_moved = 0
@@ -78,21 +87,44 @@ class Rebalancer:
 
     def after_step(self) -> None:
         self.steps += 1
-        if self.pending:
+        if self._planning is not None:
+            if self.steps >= self._planning[0]:
+                _, future = self._planning
+                self._planning = None
+                self._queue(*future.result(), self.config.min_gain)
+        elif self.pending:
             self._apply(self.config.layers_per_step)
         elif self.config.enable_eplb and self.steps % self.config.interval == 0:
-            self.plan()
+            if self.config.plan_steps == 0:
+                self.plan()
+            else:
+                self._start_plan()
 
-    def plan(self, min_gain: float | None = None) -> int:
-        """Plan from the window's load; queue the layers whose placement changes, unless the plan raises the mean
-        balancedness by less than `min_gain` (default: the config's), so a balanced deployment moves nothing.
-        Returns how many layers were queued."""
-        min_gain = self.config.min_gain if min_gain is None else min_gain
-        load_LE = self.window_load()
-        current_LR = self.current_placement()
+    def _start_plan(self) -> None:
+        """The window's load summed over the EP group here, on the step path (a collective, in step order on
+        every rank); the planner then runs in a background thread while the next `plan_steps` steps run."""
+        load_LE, current_LR = self.window_load(), self.current_placement()
+        if self._planner is None:
+            self._planner = ThreadPoolExecutor(1, thread_name_prefix="eplb-planner")
+        future = self._planner.submit(self._compute_plan, load_LE, current_LR)
+        self._planning = (self.steps + self.config.plan_steps, future)
+
+    def _compute_plan(self, load_LE: torch.Tensor, current_LR: torch.Tensor):
+        """(current, planned placement, balancedness before, after): pure, the same on every rank."""
         phy2log_LR, _, _ = rebalance_experts(load_LE, current_LR.shape[1], self.num_groups, 1, self.ep_size,
                                              previous=current_LR)
-        before, after = balancedness(load_LE, current_LR, self.ep_size), balancedness(load_LE, phy2log_LR, self.ep_size)
+        return (current_LR, phy2log_LR, balancedness(load_LE, current_LR, self.ep_size),
+                balancedness(load_LE, phy2log_LR, self.ep_size))
+
+    def plan(self, min_gain: float | None = None) -> int:
+        """Plan from the window's load now; queue the layers whose placement changes, unless the plan raises the
+        mean balancedness by less than `min_gain` (default: the config's), so a balanced deployment moves
+        nothing. Returns how many layers were queued."""
+        self._planning = None  # a background plan still running is superseded (every rank calls this alike)
+        min_gain = self.config.min_gain if min_gain is None else min_gain
+        return self._queue(*self._compute_plan(self.window_load(), self.current_placement()), min_gain)
+
+    def _queue(self, current_LR, phy2log_LR, before, after, min_gain: float) -> int:
         gain = (after.mean() - before.mean()).item()
         if gain < min_gain:
             log.info("eplb: no move, balancedness %.3f -> %.3f gains %.4f < %.4f", before.mean().item(),

@@ -86,15 +86,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     eplb = json.loads(args.eplb_config) if args.eplb_config else {}
     if not isinstance(eplb, dict):
         raise ValueError("--eplb-config must be a JSON object, e.g. '{\"window\": 1000, \"interval\": 3000}'")
-    unknown = sorted(set(eplb) - {"window", "interval", "layers_per_step", "num_redundant_experts", "min_gain"})
+    unknown = sorted(set(eplb) - {"window", "interval", "layers_per_step", "num_redundant_experts", "min_gain",
+                                  "plan_steps"})
     if unknown:
         raise ValueError(f"--eplb-config has unknown field(s) {unknown}; known: window, interval, layers_per_step, "
-                         "num_redundant_experts, min_gain")
+                         "num_redundant_experts, min_gain, plan_steps")
     kwargs = dict(model=args.model, **_engine_kwargs(args), eplb_window=eplb.get("window", args.expert_load_window),
                   tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                   data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
                   enable_eplb=args.enable_eplb, eplb_interval=eplb.get("interval", 3000),
                   eplb_layers_per_step=eplb.get("layers_per_step", 1), eplb_min_gain=eplb.get("min_gain", 0.01),
+                  eplb_plan_steps=eplb.get("plan_steps", 2),
                   num_redundant_experts=eplb.get("num_redundant_experts", args.num_redundant_experts),
                   expert_placement=args.expert_placement)
     EngineConfig(**kwargs)  # bad flags fail here, with one line, before any process starts

@@ -84,6 +84,41 @@ def test_rebalancer_moves_only_for_a_real_gain(skewed):
     assert reb.rebalance_now() >= 0  # an explicit rebalance plans whatever the gain
 
 
+def test_periodic_plan_runs_in_the_background_and_lands_on_a_fixed_step():
+    """The planner runs beside the next `plan_steps` steps and its plan is queued after exactly that many
+    (every rank alike): the same plan a synchronous one makes."""
+    from moe_serve.balancer.rebalancer import EplbConfig, Rebalancer
+
+    def skewed_rebalancer(plan_steps: int):
+        blocks = {1: _Block(8), 2: _Block(8)}
+        rec = ExpertLoadRecorder(2, 8, window_steps=4, ep_size=2, layer_ids=[1, 2],
+                                 phy2log_LR=torch.tensor([b.phy2log_R for b in blocks.values()]))
+
+        class TwoRanks(Rebalancer):
+            ep_size = 2
+
+        cfg = EplbConfig(enable_eplb=True, window=4, interval=4, min_gain=0.0, plan_steps=plan_steps)
+        reb = TwoRanks(cfg, blocks, rec, None, 1)
+        for _ in range(4):
+            for j in range(2):
+                rec.record(j, torch.tensor([[0], [1], [2], [3]] * 8 + [[4], [5]]))
+            rec.end_step()
+            reb.after_step()
+        return reb
+
+    sync = skewed_rebalancer(0)
+    assert sync.pending and sync._planning is None
+    reb = skewed_rebalancer(3)
+    assert reb._planning is not None and not reb.pending and reb.num_rebalances == 0
+    reb.after_step()
+    reb.after_step()
+    assert not reb.pending  # taken after exactly 3 more steps, however early the thread finished
+    reb.after_step()
+    assert reb._planning is None and reb.pending == sync.pending and reb.num_rebalances == 1
+    with pytest.raises(ValueError, match="plan_steps must be an integer >= 0"):
+        EplbConfig(plan_steps=-1)
+
+
 def test_record_session():
     rec = ExpertLoadRecorder(1, 2, window_steps=8)
     rec.record(0, torch.tensor([[0]]))

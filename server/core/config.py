@@ -38,6 +38,7 @@ class EngineConfig:
     eplb_interval: int = 3000
     eplb_layers_per_step: int = 1
     eplb_min_gain: float = 0.01  # re-plan only when mean balancedness would rise by at least this much
+    eplb_plan_steps: int = 2  # steps a periodic plan is computed in the background before it is taken
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # a placement file or load dump to start from
 
@@ -65,7 +66,7 @@ class EngineConfig:
 
     def eplb_config(self) -> EplbConfig:
         return EplbConfig(self.enable_eplb, self.eplb_window, self.eplb_interval, self.num_redundant_experts,
-                          self.eplb_layers_per_step, self.eplb_min_gain)
+                          self.eplb_layers_per_step, self.eplb_min_gain, self.eplb_plan_steps)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
