@@ -61,8 +61,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn, device: torch.device, warmup: int = 3, repeats: int = 10) -> float:
+TIMING = {"warmup": 3, "repeats": 10}  # --tiny: 1 and 2 (the interpreter's timings mean nothing anyway)
+
+
+def time_ms(fn, device: torch.device, warmup: int | None = None, repeats: int | None = None) -> float:
     """Median milliseconds of `repeats` calls (CUDA events on a GPU, wall clock elsewhere)."""
+    warmup = TIMING["warmup"] if warmup is None else warmup
+    repeats = TIMING["repeats"] if repeats is None else repeats
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -344,6 +349,8 @@ def main() -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["parity", "kernels", "decode"])
     args = ap.parse_args()
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.tiny:
+        TIMING.update(warmup=1, repeats=2)
     if not torch.cuda.is_available() and not interpreting:
         print("gpu_check: no CUDA GPU here; on a CPU run it with TRITON_INTERPRET=1 and --tiny", file=sys.stderr)
         return 2
