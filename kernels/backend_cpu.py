@@ -22,7 +22,6 @@ from moe_serve.kernels.ops import MLPWeights
 from moe_serve.kernels.routing import RouterConfig
 
 
-
 def _kernel_weight(w: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """A weight the C kernels widen as they compute: bf16 without scales, or block FP8 with its scales."""
     return (w.dtype == torch.bfloat16 and scale is None) or (w.dtype == torch.float8_e4m3fn and scale is not None)

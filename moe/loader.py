@@ -118,12 +118,18 @@ def _targets(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, Callable[[to
             if isinstance(module, MergedColumnParallelLinear):
                 for i, part in enumerate(module.part_names):
                     targets[f"{parent}.{part}.{p_name}"] = functools.partial(
-                        module.load_part, i, scale=p_name == "weight_scale_inv")
+                        _load_part, module, i, p_name == "weight_scale_inv")
             else:
                 targets[prefix + p_name] = functools.partial(_copy_param, param)
     if cfg.tie_word_embeddings and model.model.is_first:
         targets.pop("lm_head.weight", None)  # the head is the embedding table
     return targets
+
+
+def _load_part(merged: MergedColumnParallelLinear, part: int, scale: bool, tensor: torch.Tensor) -> None:
+    if not scale:
+        _check_fp8(merged.weight, tensor)
+    merged.load_part(part, tensor, scale=scale)
 
 
 def _load_expert(experts: ExpertWeights, expert: int, proj: str, scale: bool, tensor: torch.Tensor) -> None:

@@ -130,12 +130,11 @@ def parity(ckpt: Path, name: str, dtype: str, device: str, prompts: list[str], m
 
 # ---- 2. kernels --------------------------------------------------------------------------------------
 def _quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(block x block) FP8 of a weight stack [E, O, I] (random data: one scale per block is enough)."""
-    E, O, I = w.shape
-    blocks = w.float().view(E, O // block, block, I // block, block)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-6) / 448.0
-    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(E, O, I)
-    return q, scale
+    """A weight stack [E, O, I] in block FP8, one expert at a time (moe/fp8_block.py, as checkpoints are made)."""
+    from moe_serve.moe.fp8_block import quantize_fp8_block
+
+    parts = [quantize_fp8_block(w_OI, (block, block)) for w_OI in w]
+    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
 
 
 def _routing(T: int, E: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
