@@ -1,8 +1,8 @@
 """Expert-parallel load balancing: which logical expert each physical slot holds, layer by layer.
 
 `rebalance_experts` keeps the signature and output meaning of DeepSeek's EPLB, so plans from either can be
-swapped. One policy serves every deployment (EPLB's hierarchical policy packs whole expert groups onto
-nodes first, which caps balance on skewed loads):
+swapped. On one node (or with balance alone in view) one policy serves every deployment (EPLB's hierarchical
+policy packs whole expert groups onto nodes first, which caps balance on skewed loads):
   1. candidates: several choices of which experts get the R - E redundant replicas (EPLB's rule, and
      variants that keep some back as small filler), each packed by LPT: heaviest replica first onto the
      least-loaded GPU with a free slot, preferring GPUs that lack the expert. One candidate is exactly
@@ -11,7 +11,8 @@ nodes first, which caps balance on skewed loads):
      (changing replica counts), while that lowers it.
 With `previous` (the phy2log in service) a layer keeps its placement if that is within `tolerance`
 balancedness of the fresh plan; otherwise it takes whichever repair of the previous placement reaches
-that with the fewest slots reloaded (see _replan_from).
+that with the fewest slots reloaded (see _replan_from). With several nodes, that plan's replica counts feed
+the node-aware planner (balancer/node_placement.py), which trades balance above a target for locality.
 
 Shape legend (see balancer/placement.py): L layers, E logical experts, R physical slots, G GPUs,
 S = R // G slots per GPU, N redundant replicas or items, K candidates, B = K * L rows, n layers in work,
@@ -22,41 +23,74 @@ import contextlib
 
 import torch
 
+from moe_serve.balancer.locality import group_affinity, node_local_balancedness, split_affinity
+from moe_serve.balancer.node_placement import align_nodes, plan_node_aware
+from moe_serve.balancer.packing import align, improve, lpt, per_gpu_cap
 from moe_serve.balancer.placement import balancedness, build_log2phy, gpu_loads, replica_counts
 
-_MIN_GAIN = 1e-9  # a move must lower the hot GPU's load by this fraction
-_PARTNER_GPUS = 16  # with a target, swap partners are slots on this many least-loaded GPUs
 _MOVE_BUDGET = 0.25  # of a layer's slots; a repair reloading more settles for EPLB's balance
 _PARTIAL_SHARES = (0.875, 0.75, 0.625, 0.5, 0.25)  # shares of redundant replicas placed by EPLB's rule
 
 
 def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
-                      *, previous: torch.Tensor | None = None, tolerance: float = 0.01
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plan the placement of experts on `num_replicas` slots over `num_gpus` GPUs.
+                      *, previous: torch.Tensor | None = None, tolerance: float = 0.01,
+                      coactivation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plan the placement of experts on `num_replicas` slots over `num_gpus` GPUs on `num_nodes` nodes.
 
     weight:     [L, E] load of each logical expert (e.g. tokens routed to it in the last window)
-    num_groups, num_nodes: accepted for EPLB compatibility and checked, not used (balance first: a group's
-                experts may span nodes)
+    num_groups: the model's expert groups (E // num_groups consecutive experts each); with more than one
+                node and no `coactivation`, experts of a group count as often chosen together
+    num_nodes:  above 1, the plan keeps experts chosen together on one node and spreads replicas over
+                nodes (balancer/node_placement.py) at a balancedness no worse than EPLB's global policy
+                minus `tolerance`, measured under the node-local rule (balancer/locality.py)
     previous:   [L, R] the phy2log in service; its experts stay in their slots unless moving them buys
-                balance
+                balance (or, across nodes, locality)
     tolerance:  with `previous`, a layer moves no more slots once its balancedness is within this of
                 a fresh plan's
+    coactivation: [L, E, E] tokens that chose both experts (balancer.locality.coactivation), optional
 
-    Returns phy2log [L, R] (slot p is on GPU p // (R // num_gpus)), log2phy [L, E, X] padded with -1,
-    logcnt [L, E].
+    Returns phy2log [L, R] (slot p is on GPU p // (R // num_gpus), GPU g on node g // (num_gpus // num_nodes)),
+    log2phy [L, E, X] padded with -1, logcnt [L, E].
     """
     weight_LE = _check_args(weight, num_replicas, num_groups, num_nodes, num_gpus, previous)
     prev_LR = None if previous is None else previous.detach().long().cpu()
     with _one_thread():  # many small ops: extra threads only add overhead (and stall on a busy host)
         packed_KLR, top_KL = _pack_candidates(weight_LE, num_replicas, num_gpus, prev_LR)
         fresh_LR = _search(packed_KLR[top_KL.argmin(0), torch.arange(len(weight_LE))], weight_LE, num_gpus)
-        if prev_LR is None:
+        if num_nodes > 1:
+            phy2log_LR = _plan_nodes(weight_LE, fresh_LR, top_KL, num_groups, num_nodes, num_gpus, prev_LR,
+                                     tolerance, coactivation)
+        elif prev_LR is None:
             phy2log_LR = fresh_LR
         else:
             phy2log_LR = _replan_from(prev_LR, weight_LE, fresh_LR, packed_KLR, top_KL, num_gpus, tolerance)
     log2phy_LEX, logcnt_LE = build_log2phy(phy2log_LR, weight_LE.shape[1])
     return phy2log_LR, log2phy_LEX, logcnt_LE
+
+
+def _plan_nodes(weight_LE, fresh_LR, top_KL, num_groups, num_nodes, num_gpus, prev_LR, tolerance, coactivation):
+    """The node-aware plan (fresh, or from prev_LR: a layer keeps its placement while that meets the balance
+    target and splits no more affinity than the fresh plan plus `tolerance` of it)."""
+    num_layers, num_logical = weight_LE.shape
+    if coactivation is not None:
+        if coactivation.shape != (num_layers, num_logical, num_logical):
+            raise ValueError(f"coactivation must be [{num_layers}, {num_logical}, {num_logical}], "
+                             f"got {tuple(coactivation.shape)}")
+        affinity_LEE = coactivation.detach().cpu().double()
+    else:
+        affinity_LEE = group_affinity(weight_LE, num_groups)
+    eplb_global_L = weight_LE.sum(1) / num_gpus / top_KL[min(1, len(top_KL) - 1)].clamp(min=1e-300)
+    target_L = torch.where(weight_LE.sum(1) > 0, eplb_global_L - tolerance, 0.0)
+    plan_LR = plan_node_aware(weight_LE, replica_counts(fresh_LR, num_logical), affinity_LEE, num_groups, num_nodes,
+                              num_gpus, target_L, fresh_LR)
+    if prev_LR is None:
+        return plan_LR
+    keep_L = node_local_balancedness(weight_LE, prev_LR, num_gpus, num_nodes) >= target_L
+    split_prev_L = split_affinity(prev_LR, affinity_LEE, num_gpus, num_nodes)
+    split_plan_L = split_affinity(plan_LR, affinity_LEE, num_gpus, num_nodes)
+    keep_L &= split_prev_L <= split_plan_L * (1 + tolerance) + 1e-12
+    aligned_LR = align_nodes(plan_LR, prev_LR, num_nodes, num_gpus, num_logical)
+    return torch.where(keep_L.unsqueeze(1), prev_LR, aligned_LR)
 
 
 @contextlib.contextmanager
@@ -154,11 +188,6 @@ def _greedy_replicas(weight_LE: torch.Tensor, num_extra: int) -> torch.Tensor:
     return picks_LN
 
 
-def _per_gpu_cap(counts_LE: torch.Tensor, num_gpus: int) -> torch.Tensor:
-    """Most replicas of one expert a GPU should hold: 1 unless the expert has more replicas than GPUs."""
-    return (counts_LE + num_gpus - 1) // num_gpus
-
-
 def _pack(weight_BE: torch.Tensor, extra_BN: torch.Tensor, num_gpus: int, avoid_doubles_B: torch.Tensor
           ) -> torch.Tensor:
     """phy2log_BR: replicas heaviest first onto the least-loaded GPU with a free slot (LPT), per row.
@@ -168,36 +197,16 @@ def _pack(weight_BE: torch.Tensor, extra_BN: torch.Tensor, num_gpus: int, avoid_
     already holding its cap of the expert is taken only if no other GPU has a free slot.
     """
     num_rows, num_logical = weight_BE.shape
-    num_slots = num_logical + extra_BN.shape[1]
-    slots_per_gpu = num_slots // num_gpus
     expert_BN = torch.cat([torch.arange(num_logical).expand(num_rows, -1), extra_BN], dim=1)
     counts_BE = replica_counts(expert_BN, num_logical)
     load_BN = (weight_BE.float() / counts_BE).gather(1, expert_BN)
     order_BN = load_BN.argsort(dim=1, descending=True, stable=True)
     expert_BN, load_BN = expert_BN.gather(1, order_BN), load_BN.gather(1, order_BN)
-    cap_BN = _per_gpu_cap(counts_BE, num_gpus).gather(1, expert_BN)
-
-    rows_B = torch.arange(num_rows)
+    cap_BN = per_gpu_cap(counts_BE, num_gpus).gather(1, expert_BN)
     # Above any load, so a capped GPU is taken only if every free GPU is capped; 0 where not avoiding.
     above_B1 = (2 * weight_BE.sum(1, keepdim=True).float() + 1).clamp(max=1e38)
     penalty_B1 = torch.where(avoid_doubles_B.unsqueeze(1), above_B1, 0.0)
-    one_B = torch.ones(num_rows, dtype=torch.int16)
-    gpu_load_BG = torch.zeros(num_rows, num_gpus, dtype=torch.float32)
-    filled_BG = torch.zeros(num_rows, num_gpus, dtype=torch.int64)
-    full_BG = torch.zeros(num_rows, num_gpus, dtype=torch.bool)
-    held_BEG = torch.zeros(num_rows, num_logical, num_gpus, dtype=torch.int16)  # replicas of e on GPU g
-    phy2log_BR = torch.empty(num_rows, num_slots, dtype=torch.int64)
-    for k in range(num_slots):
-        expert_B = expert_BN[:, k]
-        score_BG = gpu_load_BG + penalty_B1 * (held_BEG[rows_B, expert_B] >= cap_BN[:, k:k + 1])
-        gpu_B = score_BG.masked_fill_(full_BG, float("inf")).argmin(1)
-        filled_B = filled_BG[rows_B, gpu_B]
-        phy2log_BR[rows_B, gpu_B * slots_per_gpu + filled_B] = expert_B
-        gpu_load_BG.index_put_((rows_B, gpu_B), load_BN[:, k], accumulate=True)
-        filled_BG[rows_B, gpu_B] = filled_B + 1
-        full_BG[rows_B, gpu_B] = filled_B + 1 == slots_per_gpu
-        held_BEG.index_put_((rows_B, expert_B, gpu_B), one_B, accumulate=True)
-    return phy2log_BR
+    return lpt(expert_BN, load_BN, cap_BN, penalty_B1, num_logical, num_gpus)
 
 
 def _replica_list(counts_LE: torch.Tensor) -> torch.Tensor:
@@ -205,137 +214,6 @@ def _replica_list(counts_LE: torch.Tensor) -> torch.Tensor:
     num_layers, num_logical = counts_LE.shape
     flat = torch.repeat_interleave(torch.arange(num_logical).repeat(num_layers), counts_LE.flatten())
     return flat.view(num_layers, -1)
-
-
-def _improve(phy2log_LR: torch.Tensor, weight_LE: torch.Tensor, num_gpus: int, target_L: torch.Tensor | None = None,
-             allow_doubles: bool = False, reference_LR: torch.Tensor | None = None) -> torch.Tensor:
-    """Local search on the most-loaded ("hot") GPU of each layer; returns a new phy2log_LR.
-
-    Two moves; each step takes, per layer, the one that leaves the GPUs it changes least loaded, and
-    only if they all end below the hot GPU's old load (so the sorted GPU loads fall and the search ends):
-      swap:    a slot of the hot GPU trades experts with a lighter slot elsewhere (reloads 2 slots);
-      recount: a slot of the hot GPU holding a replicated expert A switches to the expert B whose extra
-               replica is lightest; A's other replicas grow, B's shrink (reloads 1 slot).
-    A layer stops when no move helps, or once its balancedness reaches target_L (with `previous`, where
-    moves cost reloads: swap partners then come from the least-loaded GPUs only). With reference_LR (the
-    plan in service), a step prefers, among moves that bring the GPUs they change down to the target's
-    max load, the one adding the fewest slots that differ from the reference. Unless allow_doubles, no
-    move gives a GPU more replicas of an expert than its cap.
-    """
-    out_LR = phy2log_LR.clone()
-    num_layers, num_slots = out_LR.shape
-    num_logical = weight_LE.shape[1]
-    slots_per_gpu = num_slots // num_gpus
-    if num_gpus == 1:
-        return out_LR
-    num_partners = num_gpus if target_L is None else min(num_gpus, _PARTNER_GPUS)
-    own_S = torch.arange(slots_per_gpu)
-    inf = float("inf")
-    # State of the n layers still searching; a layer with no helpful move is done for good and leaves.
-    rows_N, phy2log_NR, weight_NE = torch.arange(num_layers), out_LR.clone(), weight_LE
-    counts_NE = replica_counts(phy2log_NR, num_logical)
-    held_NGE = torch.zeros(num_layers, num_gpus, num_logical, dtype=torch.int16)
-    held_NGE.scatter_add_(2, phy2log_NR.view(num_layers, num_gpus, slots_per_gpu),
-                          torch.ones(num_layers, num_gpus, slots_per_gpu, dtype=torch.int16))
-    active_N = torch.ones(num_layers, dtype=torch.bool)
-    target_N = target_L
-    ref_NR = reference_LR if target_L is not None else None
-    while len(rows_N):
-        n = len(rows_N)
-        rows = torch.arange(n)
-        slot_load_NR = (weight_NE / counts_NE).gather(1, phy2log_NR)
-        gpu_load_NG = slot_load_NR.view(n, num_gpus, slots_per_gpu).sum(2)
-        top_N, hot_N = gpu_load_NG.max(1)
-        want_N = active_N & (top_N > 0)
-        if target_N is not None:
-            want_N &= gpu_load_NG.mean(1) < target_N * top_N
-        pos_NS = hot_N.unsqueeze(1) * slots_per_gpu + own_S
-        expert_a_NS = phy2log_NR.gather(1, pos_NS)
-        load_a_NS = slot_load_NR.gather(1, pos_NS)
-        held_a_NSG = held_NGE.gather(2, expert_a_NS.unsqueeze(1).expand(-1, num_gpus, -1)).transpose(1, 2)
-        held_hot_NE = held_NGE[rows, hot_N]
-        hot_NS1 = hot_N.view(-1, 1, 1).expand(-1, slots_per_gpu, 1)
-
-        # Swap slot a (hot GPU) with slot b on one of the partner GPUs j (C candidate slots):
-        # load d = a - b moves from the hot GPU to j.
-        partner_NM = gpu_load_NG.topk(num_partners, dim=1, largest=False).indices
-        slot_b_NC = (partner_NM.unsqueeze(2) * slots_per_gpu + own_S).flatten(1)
-        gpu_b_NC = slot_b_NC // slots_per_gpu
-        expert_b_NC = phy2log_NR.gather(1, slot_b_NC)
-        delta_NSC = load_a_NS.unsqueeze(2) - slot_load_NR.gather(1, slot_b_NC).unsqueeze(1)
-        swap_NSC = torch.maximum(top_N.view(-1, 1, 1) - delta_NSC,
-                                 gpu_load_NG.gather(1, gpu_b_NC).unsqueeze(1) + delta_NSC)
-        bad_NSC = (delta_NSC <= 0) | (gpu_b_NC == hot_N.unsqueeze(1)).unsqueeze(1)
-        if not allow_doubles:  # b's expert must have room on the hot GPU, a's expert on GPU j
-            cap_NE = _per_gpu_cap(counts_NE, num_gpus)
-            full_b_NC = held_hot_NE.gather(1, expert_b_NC) >= cap_NE.gather(1, expert_b_NC)
-            full_a_NSG = held_a_NSG >= cap_NE.gather(1, expert_a_NS).unsqueeze(2)
-            bad_NSC |= full_a_NSG.gather(2, gpu_b_NC.unsqueeze(1).expand(-1, slots_per_gpu, -1))
-            bad_NSC |= full_b_NC.unsqueeze(1)
-        swap_NSC = swap_NSC.masked_fill(bad_NSC, inf)
-
-        # Recount slot a from expert A to B, the expert whose next replica is lightest and fits on the hot GPU.
-        next_NE = weight_NE / (counts_NE + 1)
-        if not allow_doubles:
-            next_NE = next_NE.masked_fill(held_hot_NE >= _per_gpu_cap(counts_NE + 1, num_gpus), inf)
-        next2_N2, b2_N2 = next_NE.topk(min(2, num_logical), dim=1, largest=False)
-        second_NS = (b2_N2[:, :1] == expert_a_NS) & (num_logical > 1)
-        b_NS = torch.where(second_NS, b2_N2[:, -1:], b2_N2[:, :1])
-        b_load_NS = torch.where(second_NS, next2_N2[:, -1:], next2_N2[:, :1])
-        count_a_NS = counts_NE.gather(1, expert_a_NS)
-        grow_NS = weight_NE.gather(1, expert_a_NS) / (count_a_NS - 1).clamp(min=1) - load_a_NS
-        others_NSG = torch.where(held_a_NSG > 0, gpu_load_NG.unsqueeze(1) + grow_NS.unsqueeze(2) * held_a_NSG, -inf)
-        others_NSG.scatter_(2, hot_NS1, -inf)
-        held_a_hot_NS = held_a_NSG.gather(2, hot_NS1).squeeze(2)
-        hot_after_NS = top_N.unsqueeze(1) - load_a_NS + b_load_NS + grow_NS * (held_a_hot_NS - 1)
-        recount_NS = torch.maximum(hot_after_NS, others_NSG.amax(2)).masked_fill(count_a_NS < 2, inf)
-
-        # Choose: the lowest max load over the changed GPUs; with a reference, fewest new reloads first.
-        swap_key_NSC, recount_key_NS = swap_NSC, recount_NS
-        if ref_NR is not None:
-            ref_a_NS, ref_b_NC = ref_NR.gather(1, pos_NS), ref_NR.gather(1, slot_b_NC)
-            was_a_NS = (expert_a_NS != ref_a_NS).long()
-            swap_cost_NSC = ((expert_b_NC.unsqueeze(1) != ref_a_NS.unsqueeze(2)).long()
-                             + (expert_a_NS.unsqueeze(2) != ref_b_NC.unsqueeze(1)).long()
-                             - was_a_NS.unsqueeze(2) - (expert_b_NC != ref_b_NC).long().unsqueeze(1))
-            limit_N1 = (gpu_load_NG.mean(1) / target_N).unsqueeze(1)
-            swap_key_NSC = _move_key(swap_NSC, swap_cost_NSC, limit_N1.unsqueeze(2), top_N.view(-1, 1, 1))
-            recount_key_NS = _move_key(recount_NS, (b_NS != ref_a_NS).long() - was_a_NS, limit_N1, top_N.view(-1, 1))
-        swap_key_N, swap_at_N = swap_key_NSC.flatten(1).min(1)
-        recount_key_N, recount_at_N = recount_key_NS.min(1)
-        use_swap_N = swap_key_N <= recount_key_N
-        best_N = torch.where(use_swap_N, swap_NSC.flatten(1).gather(1, swap_at_N.unsqueeze(1)).squeeze(1),
-                             recount_NS.gather(1, recount_at_N.unsqueeze(1)).squeeze(1))
-        do_N = want_N & (best_N < top_N * (1 - _MIN_GAIN))
-        swap, recount = do_N & use_swap_N, do_N & ~use_swap_N
-        if swap.any():
-            row, at = rows[swap], swap_at_N[swap]
-            pa = pos_NS[row, at // slot_b_NC.shape[1]]
-            pb = slot_b_NC[row, at % slot_b_NC.shape[1]]
-            ea, eb = phy2log_NR[row, pa], phy2log_NR[row, pb]
-            hot, gj = hot_N[row], pb // slots_per_gpu
-            phy2log_NR[row, pa], phy2log_NR[row, pb] = eb, ea
-            held_NGE[row, hot, ea] -= 1
-            held_NGE[row, hot, eb] += 1
-            held_NGE[row, gj, eb] -= 1
-            held_NGE[row, gj, ea] += 1
-        if recount.any():
-            row, at = rows[recount], recount_at_N[recount]
-            pa, ea, eb = pos_NS[row, at], expert_a_NS[row, at], b_NS[row, at]
-            phy2log_NR[row, pa] = eb
-            held_NGE[row, hot_N[row], ea] -= 1
-            held_NGE[row, hot_N[row], eb] += 1
-            counts_NE[row, ea] -= 1
-            counts_NE[row, eb] += 1
-        active_N = do_N
-        if active_N.sum() < 0.75 * n:  # write back finished layers, keep the rest (not every step: copies)
-            out_LR[rows_N[~active_N]] = phy2log_NR[~active_N]
-            rows_N, phy2log_NR, weight_NE = rows_N[active_N], phy2log_NR[active_N], weight_NE[active_N]
-            counts_NE, held_NGE = counts_NE[active_N], held_NGE[active_N]
-            target_N = None if target_N is None else target_N[active_N]
-            ref_NR = None if ref_NR is None else ref_NR[active_N]
-            active_N = active_N[active_N]
-    return out_LR
 
 
 def _replan_from(prev_LR: torch.Tensor, weight_LE: torch.Tensor, fresh_LR: torch.Tensor, packed_KLR: torch.Tensor,
@@ -366,7 +244,7 @@ def _replan_from(prev_LR: torch.Tensor, weight_LE: torch.Tensor, fresh_LR: torch
     prev_TR, weight_TE, target_T = prev_LR[todo], weight_LE[todo], target_L[todo]
     starts_KTR = torch.stack([prev_TR, _recount(prev_TR, weight_TE, counts_KLE[near_L[todo], todo], num_gpus),
                               _recount(prev_TR, weight_TE, replica_counts(fresh_LR[todo], num_logical), num_gpus)])
-    aligned_TR = _align(fresh_LR[todo], prev_TR, num_gpus, num_logical)
+    aligned_TR = align(fresh_LR[todo], prev_TR, num_gpus, num_logical)
     # The lower target (EPLB's global balance) is searched in the same batch, for the U layers it is lower.
     eplb_L = weight_LE.sum(1) / num_gpus / top_KL[min(1, len(top_KL) - 1)].clamp(min=1e-300)
     floor_T = torch.minimum(target_T, eplb_L[todo])
@@ -414,14 +292,9 @@ def _cheapest(plans_KXR: torch.Tensor, fallback_XR: torch.Tensor, weight_XE: tor
 
 def _search(phy2log_LR: torch.Tensor, weight_LE: torch.Tensor, num_gpus: int, target_L: torch.Tensor | None = None,
             reference_LR: torch.Tensor | None = None) -> torch.Tensor:
-    """_improve keeping each expert's replicas on distinct GPUs, then allowing doubles where that helps."""
-    phy2log_LR = _improve(phy2log_LR, weight_LE, num_gpus, target_L, reference_LR=reference_LR)
-    return _improve(phy2log_LR, weight_LE, num_gpus, target_L, allow_doubles=True, reference_LR=reference_LR)
-
-
-def _move_key(max_load: torch.Tensor, cost: torch.Tensor, limit: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """Sort key for moves: those reaching `limit` first, by reload cost (-2..2), then by max load."""
-    return max_load / top + torch.where(max_load <= limit, 2.0 * (cost + 2), 20.0)
+    """improve keeping each expert's replicas on distinct GPUs, then allowing doubles where that helps."""
+    phy2log_LR = improve(phy2log_LR, weight_LE, num_gpus, target_L, reference_LR=reference_LR)
+    return improve(phy2log_LR, weight_LE, num_gpus, target_L, allow_doubles=True, reference_LR=reference_LR)
 
 
 def _recount(prev_LR: torch.Tensor, weight_LE: torch.Tensor, counts_LE: torch.Tensor, num_gpus: int) -> torch.Tensor:
@@ -467,7 +340,7 @@ def _recount(prev_LR: torch.Tensor, weight_LE: torch.Tensor, counts_LE: torch.Te
     free_LGS = free_LR.view(num_layers, num_gpus, slots_per_gpu).clone()
     held_LGE = torch.zeros(num_layers, num_gpus, num_logical, dtype=torch.int16)
     held_LGE.scatter_add_(2, prev_LR.view(num_layers, num_gpus, slots_per_gpu), (~free_LGS).short())
-    cap_LE = _per_gpu_cap(counts_LE, num_gpus)
+    cap_LE = per_gpu_cap(counts_LE, num_gpus)
     penalty_L1 = weight_LE.sum(1, keepdim=True) + 1.0
     layers_L = torch.arange(num_layers)
     for k in range(num_new):
@@ -483,48 +356,3 @@ def _recount(prev_LR: torch.Tensor, weight_LE: torch.Tensor, counts_LE: torch.Te
         gpu_load_LG[lay, gpu] += new_load_LN[lay, k]
         held_LGE[lay, gpu, expert] += 1
     return plan_LR
-
-
-def _align(plan_LR: torch.Tensor, prev_LR: torch.Tensor, num_gpus: int, num_logical: int) -> torch.Tensor:
-    """plan_LR with its GPUs renumbered and each GPU's slots reordered to agree with prev_LR where it can.
-
-    GPUs are matched greedily by how many experts they share; within a matched GPU, an expert both plans
-    hold stays in its previous slot. Balance is unchanged (a GPU keeps its set of experts).
-    """
-    num_layers, num_slots = plan_LR.shape
-    slots_per_gpu = num_slots // num_gpus
-    plan_LGS = plan_LR.view(num_layers, num_gpus, slots_per_gpu)
-    prev_LGS = prev_LR.view(num_layers, num_gpus, slots_per_gpu)
-
-    def held(x_LGS):
-        out = torch.zeros(num_layers, num_gpus, num_logical)
-        return out.scatter_add_(2, x_LGS, torch.ones(x_LGS.shape))
-
-    overlap_LGG = torch.bmm(held(plan_LGS), held(prev_LGS).transpose(1, 2))  # [L, plan GPU, prev GPU]
-    layers_L = torch.arange(num_layers)
-    target_of_LG = torch.empty(num_layers, num_gpus, dtype=torch.int64)
-    for _ in range(num_gpus):
-        flat_L = overlap_LGG.flatten(1).argmax(1)
-        src_L, dst_L = flat_L // num_gpus, flat_L % num_gpus
-        target_of_LG[layers_L, src_L] = dst_L
-        overlap_LGG[layers_L, src_L, :] = -1.0
-        overlap_LGG[layers_L, :, dst_L] = -1.0
-        overlap_LGG[layers_L, src_L, dst_L] = -2.0  # below -1: never picked again
-    moved_LGS = torch.empty_like(plan_LGS)
-    moved_LGS.scatter_(1, target_of_LG.unsqueeze(2).expand(-1, -1, slots_per_gpu), plan_LGS)
-    # Within each GPU: previous slot s keeps its expert if the new set has it; the rest fill in order.
-    out_LGS = torch.full_like(moved_LGS, -1)
-    unused_LGS = torch.ones_like(moved_LGS, dtype=torch.bool)
-    for s in range(slots_per_gpu):
-        match_LGS = unused_LGS & (moved_LGS == prev_LGS[:, :, s:s + 1])
-        has_LG = match_LGS.any(2)
-        first_LG = match_LGS.long().argmax(2, keepdim=True)
-        out_LGS[:, :, s] = torch.where(has_LG, moved_LGS.gather(2, first_LG).squeeze(2), -1)
-        unused_LGS.scatter_(2, first_LG, ~has_LG.unsqueeze(2) & unused_LGS.gather(2, first_LG))
-    # Leftover experts, in order, into the still-empty slots (both lists have the same length per GPU).
-    rest_LGS = moved_LGS.masked_fill(~unused_LGS, -1)
-    rest_order = (~unused_LGS).long().argsort(dim=2, stable=True)
-    empty_order = (out_LGS != -1).long().argsort(dim=2, stable=True)
-    out_LGS.scatter_(2, empty_order, torch.where(out_LGS.gather(2, empty_order) == -1,
-                                                 rest_LGS.gather(2, rest_order), out_LGS.gather(2, empty_order)))
-    return out_LGS.view(num_layers, num_slots)

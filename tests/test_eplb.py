@@ -99,14 +99,14 @@ def test_bad_arguments_say_what_is_wrong():
         rebalance_experts(weight, 20, 4, 1, 4, previous=torch.zeros(2, 20, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("num_replicas,num_gpus,num_nodes,num_experts", [(288, 32, 4, 256), (320, 64, 8, 256),
-                                                                         (80, 8, 1, 64)])
-def test_balance_near_perfect_with_redundant_slots(num_replicas, num_gpus, num_nodes, num_experts):
+@pytest.mark.parametrize("num_replicas,num_gpus,num_experts", [(288, 32, 256), (320, 64, 256), (80, 8, 64)])
+def test_balance_near_perfect_with_redundant_slots(num_replicas, num_gpus, num_experts):
     """With 12-25% redundant slots, Zipf loads up to s=1.4 fit within a few percent of a perfect split (EPLB's
-    global policy reaches 0.82-0.99 on these loads, its hierarchical one 0.2-0.99: docs/benchmarks.md)."""
+    global policy reaches 0.82-0.99 on these loads, its hierarchical one 0.2-0.99: docs/benchmarks.md).
+    (With several nodes the plan trades balance above a target for locality: tests/test_node_placement.py.)"""
     for seed, s in enumerate((0.0, 1.0, 1.4)):
         weight = zipf_load(4, num_experts, s, seed=seed)
-        ours = balancedness(weight, check(weight, num_replicas, num_gpus, 8, num_nodes), num_gpus)
+        ours = balancedness(weight, check(weight, num_replicas, num_gpus, 8), num_gpus)
         assert ours.mean() >= 0.98 and ours.min() >= 0.93, (s, ours.tolist())
 
 
@@ -114,7 +114,7 @@ def test_without_redundancy_the_heaviest_expert_bounds_balance():
     """R = E: no expert can be split, so some GPU holds the heaviest expert and 7 others, at least the 7 lightest;
     on a skewed load our plan's max GPU load is within 1% of that bound (or of a perfect split)."""
     weight = zipf_load(4, 256, 1.0, seed=7)
-    plan = check(weight, 256, 32, 8, 4)
+    plan = check(weight, 256, 32, 8)
     ascending = weight.sort(1).values
     floor = torch.maximum(ascending[:, -1] + ascending[:, :7].sum(1), weight.sum(1) / 32)
     assert (balancedness(weight, plan, 32) >= weight.sum(1) / 32 / floor * 0.99).all()

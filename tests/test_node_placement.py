@@ -1,0 +1,105 @@
+"""Node-aware placement (balancer/node_placement.py) and the locality measures (balancer/locality.py): valid
+plans, replicas spread over nodes, balance at the target, and fewer cross-node rows than a plan that ignores
+nodes on tokens routed DeepSeek's group-limited way. The comparison with EPLB is scripts/bench_node_placement.py."""
+
+import pytest
+import torch
+
+from moe_serve.balancer import rebalance_experts, validate_plan
+from moe_serve.balancer.eplb import _pack_candidates
+from moe_serve.balancer.locality import (coactivation, node_counts, node_local_balancedness, node_local_gpu_loads,
+                                         node_local_view, remote_nodes_per_token)
+from moe_serve.balancer.placement import build_log2phy
+
+E, GROUPS, TOPK_GROUP, K = 64, 8, 4, 6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def routed_tokens(num_layers: int, num_tokens: int, s: float, seed: int) -> list[torch.Tensor]:
+    """topk_ids per layer, routed group-limited (best TOPK_GROUP groups by their top-2 scores, then top K)
+    from scores log(Zipf share) + Gumbel noise."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num_layers):
+        share = (torch.arange(1, E + 1, dtype=torch.float64) ** -s)[torch.randperm(E, generator=gen)]
+        score = share.log() - (-torch.rand(num_tokens, E, generator=gen, dtype=torch.float64).log()).log()
+        grouped = score.view(num_tokens, GROUPS, -1)
+        keep = torch.zeros(num_tokens, GROUPS, dtype=torch.bool).scatter_(
+            1, grouped.topk(2, dim=2).values.sum(2).topk(TOPK_GROUP, dim=1).indices, True)
+        out.append(grouped.masked_fill(~keep.unsqueeze(2), -float("inf")).view(num_tokens, E).topk(K, dim=1).indices)
+    return out
+
+
+def test_measures_on_a_hand_example():
+    # 2 nodes x 2 GPUs x 2 slots; expert 0 on both nodes, experts 1..3 once, expert 4 once... 8 slots, 6 experts.
+    phy2log = torch.tensor([[0, 1, 2, 3, 0, 4, 5, 5]])
+    counts = node_counts(phy2log, 6, 4, 2)[0]
+    assert counts[0].tolist() == [1, 1] and counts[5].tolist() == [0, 2] and counts[1].tolist() == [1, 0]
+    weight = torch.tensor([[8.0, 1, 1, 1, 1, 4]])
+    # expert 0: each node serves its own half locally: 4 per replica; expert 5: both replicas on node 1 take all.
+    assert node_local_gpu_loads(weight, phy2log, 4, 2)[0].tolist() == [5.0, 2.0, 5.0, 4.0]
+    assert node_local_balancedness(weight, phy2log, 4, 2).item() == pytest.approx(4.0 / 5.0)
+    # token 0 on node 0 wants experts 0 (local) and 4 (node 1): one remote node; token 1 on node 1 wants 1 and 2.
+    ids = torch.tensor([[0, 4], [1, 2]])
+    assert remote_nodes_per_token(ids, torch.tensor([0, 1]), phy2log[0], 4, 2).tolist() == [1, 1]
+    # without the node-local rule token 0 takes replica 0 % 2 of expert 0, on node 0 too; token 1 % 2 = slot 4...
+    assert remote_nodes_per_token(torch.tensor([[0, 1], [0, 1]]), torch.tensor([1, 1]), phy2log[0], 4, 2,
+                                  node_local=False).tolist() == [1, 1]
+
+
+def test_node_local_view_keeps_only_local_replicas_where_there_are_some():
+    phy2log = torch.tensor([[0, 1, 2, 3, 0, 4, 5, 5]])
+    log2phy, logcnt = build_log2phy(phy2log, 6)
+    view, cnt = node_local_view(log2phy[0], logcnt[0], slots_per_rank=2, node_ranks=(2, 3))  # node 1: slots 4..7
+    assert cnt.tolist() == [1, 1, 1, 1, 1, 2]
+    assert view[0, 0] == 4 and view[5, :2].tolist() == [6, 7] and view[1, 0] == 1  # expert 1 only on node 0
+
+
+def test_coactivation_counts_pairs_of_one_token():
+    ids = torch.tensor([[0, 1, 2], [1, 2, 3]])
+    co = coactivation(ids, 4)
+    assert co[1, 2] == 2 and co[2, 1] == 2 and co[0, 3] == 0 and co[0, 1] == 1 and co.diagonal().sum() == 0
+
+
+@pytest.mark.parametrize("num_slots,num_gpus,num_nodes", [(80, 16, 4), (96, 16, 2), (64, 16, 4)])
+@pytest.mark.parametrize("s", [0.0, 1.0])
+def test_plan_valid_spread_balanced_and_local(num_slots, num_gpus, num_nodes, s):
+    tokens = routed_tokens(4, 3000, s, seed=int(s * 10) + num_nodes)
+    weight = torch.stack([torch.bincount(t.flatten(), minlength=E) for t in tokens]).double()
+    phy2log, log2phy, logcnt = rebalance_experts(weight, num_slots, GROUPS, num_nodes, num_gpus)
+    validate_plan(phy2log, log2phy, logcnt, E)
+    counts = node_counts(phy2log, E, num_gpus, num_nodes)
+    present = (counts > 0).sum(2)
+    # an expert has its replicas on distinct nodes, or at least one on every node
+    assert ((present == logcnt) | (present == num_nodes)).all()
+    # balance: no worse than EPLB's global policy (our packing candidate 1) minus 0.01, under the node-local rule
+    _, top = _pack_candidates(weight.double(), num_slots, num_gpus, None)
+    eplb_global = weight.sum(1) / num_gpus / top[min(1, len(top) - 1)]
+    assert (node_local_balancedness(weight, phy2log, num_gpus, num_nodes) >= eplb_global - 0.01 - 1e-9).all()
+    # locality: fewer remote nodes per token than the same deployment planned for one node
+    flat = rebalance_experts(weight, num_slots, GROUPS, 1, num_gpus)[0]
+    fresh = routed_tokens(4, 2000, s, seed=99)
+    src = torch.arange(2000) % num_nodes
+    ours = torch.stack([remote_nodes_per_token(t, src, p, num_gpus, num_nodes).double().mean() for t, p in zip(fresh, phy2log)])
+    blind = torch.stack([remote_nodes_per_token(t, src, p, num_gpus, num_nodes).double().mean() for t, p in zip(fresh, flat)])
+    assert ours.mean() < 0.97 * blind.mean(), (ours.tolist(), blind.tolist())
+
+
+def test_previous_with_the_same_load_moves_nothing_across_nodes():
+    weight = torch.stack([torch.bincount(t.flatten(), minlength=E) for t in routed_tokens(3, 3000, 1.0, 5)]).double()
+    plan = rebalance_experts(weight, 80, GROUPS, 4, 16)[0]
+    again = rebalance_experts(weight, 80, GROUPS, 4, 16, previous=plan)[0]
+    assert torch.equal(plan, again)
+
+
+def test_coactivation_must_match_the_load():
+    weight = torch.ones(2, E)
+    with pytest.raises(ValueError, match="coactivation must be"):
+        rebalance_experts(weight, 80, GROUPS, 4, 16, coactivation=torch.zeros(2, E, E - 1))
