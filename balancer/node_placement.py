@@ -6,17 +6,22 @@ it: experts often chosen together (recorded co-activation, or the model's expert
 group-limited routing) sharing a node, and hot experts with a replica on every node, whose tokens then
 never leave their node (the node-local rule); an expert with replicas on only some nodes still sends the
 other nodes' tokens away, to any of them. So:
-  1. replica counts: the redundant slots go, EPLB's way (most load per replica first), in whole node
-     sets: an expert gets N replicas, then N more, never 2..N-1; left-over slots add single replicas to
-     experts that already have N. Candidates keep a share of the redundant slots for partial replicas
-     by EPLB's plain rule (which balances better on steep loads), down to the balanced global plan's counts;
+  1. replica counts: the redundant slots go, EPLB's way (to the expert whose busiest replica carries the
+     most load), in whole node sets for hot experts: N replicas, then N more; left-over slots add single
+     replicas to experts that already have N. Lighter experts take partial replicas (2..N-1 on distinct
+     nodes: a finer grain for balance, but the tokens of the other nodes leave theirs). Candidates lower
+     the load that makes an expert "hot" from 0 (all node sets) to never, then the global plan's counts;
   2. nodes: an expert with c >= N replicas has c // N on every node (the rest one each on distinct nodes),
      one with c < N has them on c distinct nodes. The single replicas are placed group by group onto the
      node with most affinity under a node load cap that the balance target implies; then, while a node
      is above the cap, the swap of two of them between it and another node that loses the least affinity;
-  3. GPUs: each node's replicas packed onto its GPUs (LPT, then swaps).
-Each layer keeps the first candidate (most node sets, then the loosest cap) that reaches the balance
-target under the node-local rule, or else the best balanced of them and the global plan.
+  3. GPUs: each node's replicas packed onto its GPUs (LPT, then swaps, then also moves of a node's spare
+     replica to another expert on that node: a hot expert with one node gets a second replica there).
+With more than 2 nodes, the most local layout is EPLB's hierarchical one (whole groups on nodes, replicas
+within a node): a layer takes it where it reaches the balance target. Otherwise each layer keeps the first candidate (most node
+sets, then the loosest cap) that reaches the balance
+target under the node-local rule; a layer that none reaches takes the best balanced of them (or the global
+plan), then swaps across nodes while they raise its balance toward the target.
 
 Shape legend: L layers, E experts, R slots, G GPUs, N nodes, P = R // N slots per node, B = L * N rows.
 """
@@ -26,8 +31,8 @@ import torch
 from moe_serve.balancer.locality import node_counts, node_local_balancedness, replica_loads
 from moe_serve.balancer.packing import align, improve, lpt, per_gpu_cap
 
-_NODE_SET_SHARES = (1.0, 0.75, 0.5, 0.25)  # of the redundant slots given in whole node sets, tried in turn
-_CAP_MARGINS = (0.0, 0.01, 0.03)  # node load cap: mean node load / (target + margin), tried in turn
+_SET_ABOVE = (0.0, 1.0, 4.0, float("inf"))  # x mean GPU load: experts this hot grow in node sets; tried in turn
+_CAP_MARGINS = (0.0, 0.02)  # node load cap: mean node load / (target + margin), tried in turn
 
 
 def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_LEE: torch.Tensor, num_groups: int,
@@ -40,18 +45,33 @@ def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_L
     plan_LR = fallback_LR.clone()
     best_L = node_local_balancedness(weight_LE, fallback_LR, num_gpus, num_nodes)  # where no plan reaches the target
     todo = torch.arange(num_layers)
+    if num_nodes > 2 and num_groups >= num_nodes and num_groups % num_nodes == 0 and num_logical % num_groups == 0:
+        # Whole groups on nodes, replicas only within a node (EPLB's hierarchical layout). With 2 nodes a token
+        # nearly always needs both nodes' groups anyway, and replicas on both nodes save more (measured: tests).
+        count_LEN = torch.stack([_grouped_counts(weight_LE[l], num_groups, num_nodes, num_slots // num_nodes)
+                                 for l in range(num_layers)])
+        trial_LR = _pack_nodes(weight_LE, count_LEN, num_gpus)
+        balance_L = node_local_balancedness(weight_LE, trial_LR, num_gpus, num_nodes)
+        ok_L = balance_L >= target_L
+        plan_LR[ok_L] = trial_LR[ok_L]
+        best_L[ok_L] = balance_L[ok_L]
+        todo = todo[~ok_L]
     gpu_mean_L = weight_LE.double().sum(1) / num_gpus
-    candidates = [node_set_counts(weight_LE, num_slots, num_nodes, share) for share in _NODE_SET_SHARES]
+    candidates = [node_set_counts(weight_LE, num_slots, num_gpus, num_nodes, above) for above in _SET_ABOVE]
+    tried = []
     for cand_LE in candidates + [counts_LE]:
-        # a replica heavier than a GPU may carry at the target makes the target unreachable: skip those layers
+        # a replica heavier than a GPU may carry at the target makes the target unreachable: skip those layers,
+        # and those whose counts an earlier candidate had
         feasible_L = (weight_LE.double() / cand_LE).amax(1) <= gpu_mean_L / target_L.clamp(min=1e-9)
+        for earlier_LE in tried:
+            feasible_L &= (earlier_LE != cand_LE).any(1)
+        tried.append(cand_LE)
         for margin in _CAP_MARGINS:
             rows = todo[feasible_L[todo]]
             if len(rows) == 0:
                 break
-            count_TEN = torch.stack([_node_counts_layer(weight_LE[l], cand_LE[l], affinity_LEE[l], num_groups,
-                                                        num_nodes, num_slots // num_nodes, float(target_L[l]) + margin)
-                                     for l in rows.tolist()])
+            count_TEN = _node_counts(weight_LE[rows], cand_LE[rows], affinity_LEE[rows], num_groups, num_nodes,
+                                     num_slots // num_nodes, target_L[rows] + margin)
             trial_TR = _pack_nodes(weight_LE[rows], count_TEN, num_gpus)
             balance_T = node_local_balancedness(weight_LE[rows], trial_TR, num_gpus, num_nodes)
             ok_T = balance_T >= target_L[rows]
@@ -59,78 +79,121 @@ def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_L
             plan_LR[rows[better_T]] = trial_TR[better_T]
             best_L[rows[better_T]] = balance_T[better_T]
             todo = todo[~torch.isin(todo, rows[ok_T])]
+    if len(todo):  # still short of the target: swaps across nodes on the best plan, until the target is reached
+        swapped_TR = _swap_across_nodes(plan_LR[todo], weight_LE[todo], num_nodes, num_gpus, target_L[todo])
+        balance_T = node_local_balancedness(weight_LE[todo], swapped_TR, num_gpus, num_nodes)
+        better_T = balance_T > best_L[todo]
+        plan_LR[todo[better_T]] = swapped_TR[better_T]
     return plan_LR
 
 
-def node_set_counts(weight_LE: torch.Tensor, num_slots: int, num_nodes: int, share: float) -> torch.Tensor:
-    """counts_LE (step 1): `share` of the redundant slots in whole node sets, the rest one replica at a time,
-    each time to the expert with the most load per replica."""
+def node_set_counts(weight_LE: torch.Tensor, num_slots: int, num_gpus: int, num_nodes: int, set_above: float
+                    ) -> torch.Tensor:
+    """counts_LE (step 1): each redundant slot, EPLB's way, to the expert whose busiest replica (its replicas
+    spread as evenly over the nodes as they can be) carries the most load. An expert with at least
+    `set_above` x the mean GPU load, or N or more replicas, grows by whole node sets (to N, then N more);
+    a lighter one by one partial replica (on another node) while it has fewer than N - 1. An expert whose
+    step no longer fits the slots left is passed over; slots left at the end add single replicas to
+    experts with node sets (or any)."""
     num_layers, num_logical = weight_LE.shape
     weight_LE = weight_LE.double()
     counts_LE = torch.ones(num_layers, num_logical, dtype=torch.int64)
-    left_L = torch.full((num_layers,), num_slots - num_logical, dtype=torch.int64)
-    in_sets = int(share * (num_slots - num_logical))
     layers_L = torch.arange(num_layers)
-    while True:  # node sets: N - 1 more slots for an expert with one replica, N for one with N or more
-        cost_LE = torch.where(counts_LE == 1, num_nodes - 1, num_nodes)
-        spent_L = num_slots - num_logical - left_L
-        fits_LE = cost_LE <= (in_sets - spent_L).unsqueeze(1)
-        if not fits_LE.any():
+    left_L = torch.full((num_layers,), num_slots - num_logical, dtype=torch.int64)
+    hot_LE = weight_LE >= set_above * weight_LE.sum(1, keepdim=True) / num_gpus
+    passed_LE = torch.zeros(num_layers, num_logical, dtype=torch.bool)
+    while True:
+        spread_LE = torch.where(counts_LE < num_nodes, counts_LE, counts_LE // num_nodes * num_nodes)
+        sets_LE = hot_LE | (counts_LE >= num_nodes) | (counts_LE + 1 >= num_nodes)
+        step_LE = torch.where(sets_LE, torch.where(counts_LE < num_nodes, num_nodes - counts_LE, num_nodes), 1)
+        passed_LE |= step_LE > left_L.unsqueeze(1)
+        busiest_LE = (weight_LE / spread_LE).masked_fill(passed_LE, -1.0)
+        go_L = ~passed_LE.all(1)
+        if not go_L.any():
             break
-        pick_L = (weight_LE / counts_LE).masked_fill(~fits_LE, -1.0).argmax(1)
-        go_L = fits_LE.any(1)
-        cost_L = cost_LE[layers_L, pick_L]
-        counts_LE[layers_L[go_L], pick_L[go_L]] += cost_L[go_L]
-        left_L -= torch.where(go_L, cost_L, 0)
-    while (left_L > 0).any():  # the rest one at a time (to experts with a node set first, if any)
-        full_LE = counts_LE >= num_nodes
-        prefer_L1 = full_LE.any(1, keepdim=True) & torch.tensor(share >= 1.0)
-        score_LE = (weight_LE / counts_LE).masked_fill(prefer_L1 & ~full_LE, -1.0)
-        pick_L = score_LE.argmax(1)
+        pick_L = busiest_LE.argmax(1)
+        step_L = torch.where(go_L, step_LE[layers_L, pick_L], 0)
+        counts_LE[layers_L, pick_L] += step_L
+        left_L -= step_L
+    while (left_L > 0).any():  # left over: one more replica for the busiest expert with a node set (or any)
+        score_LE = weight_LE / counts_LE + weight_LE.sum(1, keepdim=True) * (counts_LE >= num_nodes)
         go_L = left_L > 0
+        pick_L = score_LE.argmax(1)
         counts_LE[layers_L[go_L], pick_L[go_L]] += 1
         left_L -= go_L.long()
     return counts_LE
 
 
-def _node_counts_layer(weight_E: torch.Tensor, counts_E: torch.Tensor, affinity_EE: torch.Tensor, num_groups: int,
-                       num_nodes: int, slots_per_node: int, target: float) -> torch.Tensor:
-    """count_EN for one layer: how many replicas of each expert each node holds (step 2)."""
+def _grouped_counts(weight_E: torch.Tensor, num_groups: int, num_nodes: int, slots_per_node: int) -> torch.Tensor:
+    """count_EN for one layer: whole groups onto nodes (heaviest group first onto the lightest node with room
+    for a group), each node's spare slots to its experts with the most load per replica."""
     num_logical = weight_E.shape[0]
     weight_E = weight_E.double()
-    counts_E = counts_E.long()
-    count_EN = (counts_E // num_nodes).unsqueeze(1).repeat(1, num_nodes)
-    free_N = slots_per_node - count_EN.sum(0)
-    # node load of one of the replicas placed one by one (c < N: w / c; the rest of c >= N moves none)
-    item_load_E = torch.where(counts_E < num_nodes, weight_E / counts_E.clamp(min=1), 0.0)
-    load_N = torch.full((num_nodes,), float((weight_E * (counts_E >= num_nodes)).sum() / num_nodes),
-                        dtype=torch.float64)
-    cap = float(weight_E.sum()) / num_nodes / target
-    affinity_EE = affinity_EE.double()
-    near_EN = affinity_EE @ (count_EN > 0).double()  # affinity of e to what each node holds
-    group_E = torch.arange(num_logical) // max(1, num_logical // max(1, num_groups))
-    group_load = torch.zeros(int(group_E.max()) + 1, dtype=torch.float64).index_add_(0, group_E, weight_E)
-    experts = torch.repeat_interleave(torch.arange(num_logical), counts_E % num_nodes)
-    experts = experts[item_load_E[experts].argsort(descending=True, stable=True)]
-    experts = experts[group_load[group_E[experts]].argsort(descending=True, stable=True)]  # group by group
-    for e in experts.tolist():
-        item = float(item_load_E[e])
-        open_N = (free_N > 0) & (count_EN[e] == 0)
-        if not open_N.any():
-            open_N = free_N > 0
-        fits_N = open_N & (load_N + item <= cap)
-        if fits_N.any():  # most affinity; ties to the least loaded
-            score_N = (near_EN[e] - load_N * 1e-12).masked_fill(~fits_N, -float("inf"))
-        else:
-            score_N = (-load_N).masked_fill(~open_N, -float("inf"))
-        n = int(score_N.argmax())
-        if count_EN[e, n] == 0:
-            near_EN[:, n] += affinity_EE[:, e]
-        count_EN[e, n] += 1
-        free_N[n] -= 1
-        load_N[n] += item
-    _repair(count_EN, item_load_E, load_N, near_EN, affinity_EE, cap)
+    group_E = torch.arange(num_logical) // (num_logical // num_groups)
+    group_load = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_E, weight_E)
+    node_load = torch.zeros(num_nodes, dtype=torch.float64)
+    room = torch.full((num_nodes,), num_groups // num_nodes)
+    node_of_group = torch.empty(num_groups, dtype=torch.int64)
+    for g in group_load.argsort(descending=True, stable=True).tolist():
+        n = int(node_load.masked_fill(room == 0, float("inf")).argmin())
+        node_of_group[g], node_load[n], room[n] = n, node_load[n] + group_load[g], room[n] - 1
+    node_E = node_of_group[group_E]
+    counts_E = torch.ones(num_logical, dtype=torch.int64)
+    for n in range(num_nodes):
+        mine = (node_E == n).nonzero().flatten()
+        for _ in range(slots_per_node - len(mine)):
+            counts_E[mine[(weight_E[mine] / counts_E[mine]).argmax()]] += 1
+    count_EN = torch.zeros(num_logical, num_nodes, dtype=torch.int64)
+    count_EN[torch.arange(num_logical), node_E] = counts_E
     return count_EN
+
+
+def _node_counts(weight_TE: torch.Tensor, counts_TE: torch.Tensor, affinity_TEE: torch.Tensor, num_groups: int,
+                 num_nodes: int, slots_per_node: int, target_T: torch.Tensor) -> torch.Tensor:
+    """count_TEN: how many replicas of each expert each node holds (step 2), rows (layers) in parallel."""
+    num_rows, num_logical = weight_TE.shape
+    rows_T = torch.arange(num_rows)
+    weight_TE, counts_TE = weight_TE.double(), counts_TE.long()
+    count_TEN = (counts_TE // num_nodes).unsqueeze(2).repeat(1, 1, num_nodes)
+    free_TN = slots_per_node - count_TEN.sum(1)
+    # node load of one of the replicas placed one by one (c < N: w / c; the rest of c >= N moves none)
+    item_TE = torch.where(counts_TE < num_nodes, weight_TE / counts_TE.clamp(min=1), 0.0)
+    load_TN = ((weight_TE * (counts_TE >= num_nodes)).sum(1) / num_nodes).unsqueeze(1).repeat(1, num_nodes)
+    cap_T = weight_TE.sum(1) / num_nodes / target_T.double().clamp(min=1e-9)
+    affinity_TEE = affinity_TEE.double()
+    near_TEN = torch.bmm(affinity_TEE, (count_TEN > 0).double())  # affinity of e to what each node holds
+    # the replicas to place, per row: group by group (heaviest group first), heaviest first in a group; -1 pads
+    group_E = torch.arange(num_logical) // max(1, num_logical // max(1, num_groups))
+    group_load_TE = torch.zeros(num_rows, int(group_E.max()) + 1, dtype=torch.float64).index_add_(
+        1, group_E, weight_TE)[:, group_E]
+    rest_TE = counts_TE % num_nodes
+    most = int(rest_TE.max()) if rest_TE.numel() else 0
+    expert_TX = torch.arange(num_logical).repeat_interleave(max(most, 1)).expand(num_rows, -1)
+    real_TX = torch.arange(max(most, 1)).repeat(num_logical).expand(num_rows, -1) < rest_TE.repeat_interleave(
+        max(most, 1), dim=1)
+    key_TX = torch.where(real_TX, item_TE.gather(1, expert_TX), -1.0)
+    order_TX = key_TX.argsort(dim=1, descending=True, stable=True)
+    gkey_TX = torch.where(real_TX, group_load_TE.gather(1, expert_TX), -1.0).gather(1, order_TX)
+    order_TX = order_TX.gather(1, gkey_TX.argsort(dim=1, descending=True, stable=True))
+    items_TX = torch.where(real_TX.gather(1, order_TX), expert_TX.gather(1, order_TX), -1)
+    for k in range(int(real_TX.sum(1).max()) if num_rows else 0):
+        live = (items_TX[:, k] >= 0).nonzero().flatten()
+        e = items_TX[live, k]
+        item = item_TE[live, e]
+        open_RN = (free_TN[live] > 0) & (count_TEN[live, e] == 0)
+        open_RN = torch.where(open_RN.any(1, keepdim=True), open_RN, free_TN[live] > 0)
+        fits_RN = open_RN & (load_TN[live] + item.unsqueeze(1) <= cap_T[live].unsqueeze(1))
+        affine_RN = (near_TEN[live, e] - load_TN[live] * 1e-12).masked_fill(~fits_RN, -float("inf"))
+        light_RN = (-load_TN[live]).masked_fill(~open_RN, -float("inf"))
+        n = torch.where(fits_RN.any(1), affine_RN.argmax(1), light_RN.argmax(1))
+        new = count_TEN[live, e, n] == 0
+        near_TEN[live[new], :, n[new]] += affinity_TEE[live[new], :, e[new]]
+        count_TEN[live, e, n] += 1
+        free_TN[live, n] -= 1
+        load_TN[live, n] += item
+    for t in (load_TN.amax(1) > cap_T).nonzero().flatten().tolist():
+        _repair(count_TEN[t], item_TE[t], load_TN[t], near_TEN[t], affinity_TEE[t], float(cap_T[t]))
+    return count_TEN
 
 
 def _repair(count_EN: torch.Tensor, item_load_E: torch.Tensor, load_N: torch.Tensor, near_EN: torch.Tensor,
@@ -180,6 +243,21 @@ def _repair(count_EN: torch.Tensor, item_load_E: torch.Tensor, load_N: torch.Ten
         load_N[j] += d
 
 
+def _swap_across_nodes(phy2log_TR: torch.Tensor, weight_TE: torch.Tensor, num_nodes: int, num_gpus: int,
+                       target_T: torch.Tensor) -> torch.Tensor:
+    """Swaps between any GPUs while they lower the busiest one, each replica keeping the load it has under the
+    node-local rule where it is (as expert-on-node items: moving one changes the others' little)."""
+    num_rows, num_slots = phy2log_TR.shape
+    num_logical = weight_TE.shape[1]
+    count_TEN = node_counts(phy2log_TR, num_logical, num_gpus, num_nodes)
+    share_TX = (replica_loads(weight_TE, count_TEN) * count_TEN).view(num_rows, -1)  # X = E * N items
+    node_R = torch.arange(num_slots) // (num_slots // num_nodes)
+    item_TR = phy2log_TR * num_nodes + node_R
+    swapped_TR = improve(item_TR, share_TX, num_gpus, target_T + 1e-6, recounts=False)
+    swapped_TR = improve(swapped_TR, share_TX, num_gpus, target_T + 1e-6, allow_doubles=True, recounts=False)
+    return swapped_TR // num_nodes
+
+
 def _pack_nodes(weight_TE: torch.Tensor, count_TEN: torch.Tensor, num_gpus: int) -> torch.Tensor:
     """phy2log_TR (step 3): each node's replicas packed onto its GPUs (LPT, then swaps), nodes in order."""
     num_rows, num_logical, num_nodes = count_TEN.shape
@@ -195,9 +273,11 @@ def _pack_nodes(weight_TE: torch.Tensor, count_TEN: torch.Tensor, num_gpus: int)
     cap_BP = per_gpu_cap(count_BE, gpus_per_node).gather(1, expert_BP)
     penalty_B1 = 2 * load_BP.sum(1, keepdim=True).float() + 1
     packed_BP = lpt(expert_BP, load_BP.float(), cap_BP, penalty_B1, num_logical, gpus_per_node)
-    share_BE = load_BE * count_BE  # the node's share of each expert: improve splits it over the replicas
+    # The node's share of each expert, which improve splits over the node's replicas of it. An expert the node
+    # lacks gets an infinite share: no recount move brings it in (its tokens would follow).
+    share_BE = (load_BE * count_BE).masked_fill(count_BE == 0, float("inf"))
     packed_BP = improve(packed_BP, share_BE, gpus_per_node, recounts=False)
-    packed_BP = improve(packed_BP, share_BE, gpus_per_node, allow_doubles=True, recounts=False)
+    packed_BP = improve(packed_BP, share_BE, gpus_per_node, allow_doubles=True)
     return packed_BP.view(num_rows, num_nodes * slots_per_node)
 
 
