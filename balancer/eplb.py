@@ -34,7 +34,8 @@ _PARTIAL_SHARES = (0.875, 0.75, 0.625, 0.5, 0.25)  # shares of redundant replica
 
 def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
                       *, previous: torch.Tensor | None = None, tolerance: float = 0.01,
-                      coactivation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      coactivation: torch.Tensor | None = None, topk: int = 8, topk_group: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plan the placement of experts on `num_replicas` slots over `num_gpus` GPUs on `num_nodes` nodes.
 
     weight:     [L, E] load of each logical expert (e.g. tokens routed to it in the last window)
@@ -48,6 +49,8 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
     tolerance:  with `previous`, a layer moves no more slots once its balancedness is within this of
                 a fresh plan's
     coactivation: [L, E, E] tokens that chose both experts (balancer.locality.coactivation), optional
+    topk, topk_group: how the model routes (experts per token; groups a token may use, default half of them),
+                for the cross-node estimate that picks among node-aware candidates
 
     Returns phy2log [L, R] (slot p is on GPU p // (R // num_gpus), GPU g on node g // (num_gpus // num_nodes)),
     log2phy [L, E, X] padded with -1, logcnt [L, E].
@@ -59,7 +62,7 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
         fresh_LR = _search(packed_KLR[top_KL.argmin(0), torch.arange(len(weight_LE))], weight_LE, num_gpus)
         if num_nodes > 1:
             phy2log_LR = _plan_nodes(weight_LE, fresh_LR, top_KL, num_groups, num_nodes, num_gpus, prev_LR,
-                                     tolerance, coactivation)
+                                     tolerance, coactivation, topk, topk_group)
         elif prev_LR is None:
             phy2log_LR = fresh_LR
         else:
@@ -68,7 +71,8 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
     return phy2log_LR, log2phy_LEX, logcnt_LE
 
 
-def _plan_nodes(weight_LE, fresh_LR, top_KL, num_groups, num_nodes, num_gpus, prev_LR, tolerance, coactivation):
+def _plan_nodes(weight_LE, fresh_LR, top_KL, num_groups, num_nodes, num_gpus, prev_LR, tolerance, coactivation,
+                topk, topk_group):
     """The node-aware plan (fresh, or from prev_LR: a layer keeps its placement while that meets the balance
     target and splits no more affinity than the fresh plan plus `tolerance` of it)."""
     num_layers, num_logical = weight_LE.shape
@@ -82,7 +86,7 @@ def _plan_nodes(weight_LE, fresh_LR, top_KL, num_groups, num_nodes, num_gpus, pr
     eplb_global_L = weight_LE.sum(1) / num_gpus / top_KL[min(1, len(top_KL) - 1)].clamp(min=1e-300)
     target_L = torch.where(weight_LE.sum(1) > 0, eplb_global_L - tolerance, 0.0)
     plan_LR = plan_node_aware(weight_LE, replica_counts(fresh_LR, num_logical), affinity_LEE, num_groups, num_nodes,
-                              num_gpus, target_L, fresh_LR)
+                              num_gpus, target_L, fresh_LR, topk, topk_group)
     if prev_LR is None:
         return plan_LR
     keep_L = node_local_balancedness(weight_LE, prev_LR, num_gpus, num_nodes) >= target_L

@@ -13,6 +13,18 @@ T tokens, K experts per token, X most replicas of an expert.
 import torch
 
 
+def planning_nodes(nodes: tuple[int, ...]) -> int:
+    """How many nodes a planner may assume for EP ranks on `nodes` (one node id per rank, in EP order): their
+    count when the ranks come node by node, the same number on each; else 1 (plan as if on one node)."""
+    if not nodes:
+        return 1
+    runs = [n for i, n in enumerate(nodes) if i == 0 or n != nodes[i - 1]]
+    if len(runs) != len(set(runs)) or len(nodes) % len(runs) or any(
+            nodes.count(n) != len(nodes) // len(runs) for n in runs):
+        return 1
+    return len(runs)
+
+
 def node_of_slot(num_slots: int, num_gpus: int, num_nodes: int) -> torch.Tensor:
     """node_R: the node of each slot."""
     if num_gpus % num_nodes or num_slots % num_gpus:
@@ -86,6 +98,24 @@ def remote_nodes_per_token(topk_ids_TK: torch.Tensor, src_node_T: torch.Tensor, 
     return reach_TN.sum(1)
 
 
+def sample_routed_tokens(weight_E: torch.Tensor, num_tokens: int, topk: int, num_groups: int = 1, topk_group: int = 1,
+                         generator: torch.Generator | None = None) -> torch.Tensor:
+    """topk_ids_TK: tokens routed as DeepSeek-V3 routes them, their expert scores log(load share) plus Gumbel
+    noise: the `topk_group` groups with the best sum of their top-2 scores, then the `topk` best experts in
+    them (num_groups 1: plain top-k). A stand-in for recorded routing when only the load is known."""
+    num_logical = weight_E.shape[0]
+    share_E = weight_E.double() / weight_E.double().sum().clamp(min=1e-300)
+    uniform_TE = torch.rand(num_tokens, num_logical, generator=generator, dtype=torch.float64).clamp(min=1e-12)
+    score_TE = share_E.clamp(min=1e-12).log() - (-uniform_TE.log()).log()
+    if num_groups > 1:
+        group_TGE = score_TE.view(num_tokens, num_groups, -1)
+        best_TG = group_TGE.topk(min(2, group_TGE.shape[2]), dim=2).values.sum(2)
+        keep_TG = torch.zeros_like(best_TG, dtype=torch.bool).scatter_(1, best_TG.topk(topk_group, dim=1).indices,
+                                                                       True)
+        score_TE = group_TGE.masked_fill(~keep_TG.unsqueeze(2), -float("inf")).view(num_tokens, num_logical)
+    return score_TE.topk(topk, dim=1).indices
+
+
 def group_affinity(weight_LE: torch.Tensor, num_groups: int) -> torch.Tensor:
     """affinity_LEE: how often two experts are expected to serve one token when routing is group-limited
     (DeepSeek's: a token's experts come from a few groups of E // num_groups consecutive experts) and
@@ -128,5 +158,5 @@ def node_local_view(log2phy_EX: torch.Tensor, logcnt_E: torch.Tensor, slots_per_
     return view_EX, keep_EX.sum(1).to(logcnt_E.dtype)
 
 
-__all__ = ["node_of_slot", "node_counts", "replica_loads", "node_local_gpu_loads", "node_local_balancedness",
-           "remote_nodes_per_token", "group_affinity", "coactivation", "split_affinity", "node_local_view"]
+__all__ = ["planning_nodes", "node_of_slot", "node_counts", "replica_loads", "node_local_gpu_loads", "node_local_balancedness",
+           "remote_nodes_per_token", "sample_routed_tokens", "group_affinity", "coactivation", "split_affinity", "node_local_view"]

@@ -17,74 +17,99 @@ other nodes' tokens away, to any of them. So:
      is above the cap, the swap of two of them between it and another node that loses the least affinity;
   3. GPUs: each node's replicas packed onto its GPUs (LPT, then swaps, then also moves of a node's spare
      replica to another expert on that node: a hot expert with one node gets a second replica there).
-With more than 2 nodes, the most local layout is EPLB's hierarchical one (whole groups on nodes, replicas
-within a node): a layer takes it where it reaches the balance target. Otherwise each layer keeps the first candidate (most node
-sets, then the loosest cap) that reaches the balance
-target under the node-local rule; a layer that none reaches takes the best balanced of them (or the global
-plan), then swaps across nodes while they raise its balance toward the target.
+Candidates: EPLB's hierarchical layout (whole groups on nodes, replicas within a node; with a few swaps
+across nodes where it misses the target), then the replica-count candidates of step 1 with the loosest node
+cap that works. Each layer keeps, among the candidates that reach the balance target under the node-local
+rule, the one with the fewest cross-node rows per token, estimated on tokens sampled from its load and
+routed as the model routes. A layer that none reaches takes the best balanced of them (or the global plan),
+then swaps across nodes while they raise its balance toward the target.
 
 Shape legend: L layers, E experts, R slots, G GPUs, N nodes, P = R // N slots per node, B = L * N rows.
 """
 
 import torch
 
-from moe_serve.balancer.locality import node_counts, node_local_balancedness, replica_loads
+from moe_serve.balancer.locality import (node_counts, node_local_balancedness, remote_nodes_per_token, replica_loads,
+                                         sample_routed_tokens)
 from moe_serve.balancer.packing import align, improve, lpt, per_gpu_cap
 
-_SET_ABOVE = (0.0, 1.0, 4.0, float("inf"))  # x mean GPU load: experts this hot grow in node sets; tried in turn
-_CAP_MARGINS = (0.0, 0.02)  # node load cap: mean node load / (target + margin), tried in turn
+_SET_ABOVE = (0.0, 1.0, 4.0, float("inf"))  # x mean GPU load: experts this hot grow in node sets
+_CAP_MARGINS = (0.0, 0.02)
+_SAMPLE_TOKENS = 1024  # tokens per layer that estimate a candidate's cross-node rows  # node load cap: mean node load / (target + margin), tried in turn
 
 
 def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_LEE: torch.Tensor, num_groups: int,
-                    num_nodes: int, num_gpus: int, target_L: torch.Tensor, fallback_LR: torch.Tensor) -> torch.Tensor:
-    """phy2log_LR with high-affinity experts on common nodes, each layer's node-local balancedness >= target_L
-    where a candidate reaches it (else the best balanced of the candidates and fallback_LR, the global plan).
-    counts_LE: the global plan's replica counts."""
+                    num_nodes: int, num_gpus: int, target_L: torch.Tensor, fallback_LR: torch.Tensor,
+                    topk: int = 8, topk_group: int | None = None) -> torch.Tensor:
+    """phy2log_LR, per layer the candidate with the fewest estimated cross-node rows per token among those whose
+    node-local balancedness reaches target_L (else the best balanced of them and fallback_LR, the global plan).
+    counts_LE: the global plan's replica counts. The estimate routes tokens sampled from the load as the model
+    routes them (topk experts from the topk_group best of num_groups groups; balancer/locality.py), the same
+    sample (fixed seed) for every candidate and on every rank."""
     num_layers, num_logical = weight_LE.shape
     num_slots = fallback_LR.shape[1]
+    topk_group = min(topk_group or max(1, num_groups // 2), num_groups)
+    topk = min(topk, num_logical if num_groups <= 1 else topk_group * (num_logical // num_groups))
+    gen = torch.Generator().manual_seed(0)
+    tokens_L = [sample_routed_tokens(w_E, _SAMPLE_TOKENS, topk, num_groups, topk_group, gen) for w_E in weight_LE]
+    src_T = torch.arange(_SAMPLE_TOKENS) % num_nodes
     plan_LR = fallback_LR.clone()
-    best_L = node_local_balancedness(weight_LE, fallback_LR, num_gpus, num_nodes)  # where no plan reaches the target
-    todo = torch.arange(num_layers)
-    if num_nodes > 2 and num_groups >= num_nodes and num_groups % num_nodes == 0 and num_logical % num_groups == 0:
-        # Whole groups on nodes, replicas only within a node (EPLB's hierarchical layout). With 2 nodes a token
-        # nearly always needs both nodes' groups anyway, and replicas on both nodes save more (measured: tests).
+    balance_L = node_local_balancedness(weight_LE, fallback_LR, num_gpus, num_nodes)
+    met_L = balance_L >= target_L
+    remote_L = torch.full((num_layers,), float("inf"), dtype=torch.float64)
+    remote_L[met_L] = _remote(tokens_L, src_T, fallback_LR, met_L.nonzero().flatten(), num_gpus, num_nodes)
+
+    def offer(rows: torch.Tensor, trial_TR: torch.Tensor) -> torch.Tensor:
+        """Keep each row's trial if it reaches the target with fewer remote rows (or, while no plan of that row
+        reaches it, if it balances better). Returns which rows reached the target."""
+        bal_T = node_local_balancedness(weight_LE[rows], trial_TR, num_gpus, num_nodes)
+        ok_T = bal_T >= target_L[rows]
+        rem_T = torch.full((len(rows),), float("inf"), dtype=torch.float64)
+        rem_T[ok_T] = _remote(tokens_L, src_T, trial_TR[ok_T], rows[ok_T], num_gpus, num_nodes)
+        take_T = torch.where(ok_T, rem_T < remote_L[rows], ~met_L[rows] & (bal_T > balance_L[rows]))
+        plan_LR[rows[take_T]] = trial_TR[take_T]
+        balance_L[rows[take_T]] = bal_T[take_T]
+        remote_L[rows[take_T]] = rem_T[take_T]
+        met_L[rows[take_T & ok_T]] = True
+        return ok_T
+
+    all_L = torch.arange(num_layers)
+    if num_groups >= num_nodes and num_groups % num_nodes == 0 and num_logical % num_groups == 0:
+        # whole groups on nodes, replicas only within a node (EPLB's hierarchical layout), then, where that
+        # misses the target, with a few swaps across nodes
         count_LEN = torch.stack([_grouped_counts(weight_LE[l], num_groups, num_nodes, num_slots // num_nodes)
                                  for l in range(num_layers)])
         trial_LR = _pack_nodes(weight_LE, count_LEN, num_gpus)
-        balance_L = node_local_balancedness(weight_LE, trial_LR, num_gpus, num_nodes)
-        ok_L = balance_L >= target_L
-        plan_LR[ok_L] = trial_LR[ok_L]
-        best_L[ok_L] = balance_L[ok_L]
-        todo = todo[~ok_L]
+        short = all_L[~offer(all_L, trial_LR)]
+        if len(short):
+            offer(short, _swap_across_nodes(trial_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))
     gpu_mean_L = weight_LE.double().sum(1) / num_gpus
-    candidates = [node_set_counts(weight_LE, num_slots, num_gpus, num_nodes, above) for above in _SET_ABOVE]
     tried = []
-    for cand_LE in candidates + [counts_LE]:
+    for cand_LE in [node_set_counts(weight_LE, num_slots, num_gpus, num_nodes, a) for a in _SET_ABOVE] + [counts_LE]:
         # a replica heavier than a GPU may carry at the target makes the target unreachable: skip those layers,
         # and those whose counts an earlier candidate had
-        feasible_L = (weight_LE.double() / cand_LE).amax(1) <= gpu_mean_L / target_L.clamp(min=1e-9)
+        todo_L = (weight_LE.double() / cand_LE).amax(1) <= gpu_mean_L / target_L.clamp(min=1e-9)
         for earlier_LE in tried:
-            feasible_L &= (earlier_LE != cand_LE).any(1)
+            todo_L &= (earlier_LE != cand_LE).any(1)
         tried.append(cand_LE)
-        for margin in _CAP_MARGINS:
-            rows = todo[feasible_L[todo]]
+        for margin in _CAP_MARGINS:  # the loosest node cap that reaches the target
+            rows = todo_L.nonzero().flatten()
             if len(rows) == 0:
                 break
             count_TEN = _node_counts(weight_LE[rows], cand_LE[rows], affinity_LEE[rows], num_groups, num_nodes,
                                      num_slots // num_nodes, target_L[rows] + margin)
-            trial_TR = _pack_nodes(weight_LE[rows], count_TEN, num_gpus)
-            balance_T = node_local_balancedness(weight_LE[rows], trial_TR, num_gpus, num_nodes)
-            ok_T = balance_T >= target_L[rows]
-            better_T = ok_T | (balance_T > best_L[rows])
-            plan_LR[rows[better_T]] = trial_TR[better_T]
-            best_L[rows[better_T]] = balance_T[better_T]
-            todo = todo[~torch.isin(todo, rows[ok_T])]
-    if len(todo):  # still short of the target: swaps across nodes on the best plan, until the target is reached
-        swapped_TR = _swap_across_nodes(plan_LR[todo], weight_LE[todo], num_nodes, num_gpus, target_L[todo])
-        balance_T = node_local_balancedness(weight_LE[todo], swapped_TR, num_gpus, num_nodes)
-        better_T = balance_T > best_L[todo]
-        plan_LR[todo[better_T]] = swapped_TR[better_T]
+            todo_L[rows[offer(rows, _pack_nodes(weight_LE[rows], count_TEN, num_gpus))]] = False
+    short = all_L[~met_L]
+    if len(short):  # still short of the target: swaps across nodes on the best plan
+        offer(short, _swap_across_nodes(plan_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))
     return plan_LR
+
+
+def _remote(tokens_L: list[torch.Tensor], src_T: torch.Tensor, plan_TR: torch.Tensor, rows: torch.Tensor,
+            num_gpus: int, num_nodes: int) -> torch.Tensor:
+    """Mean cross-node rows per sampled token of each row's plan."""
+    return torch.tensor([remote_nodes_per_token(tokens_L[int(l)], src_T, p_R, num_gpus, num_nodes).double().mean()
+                         for l, p_R in zip(rows, plan_TR)], dtype=torch.float64)
 
 
 def node_set_counts(weight_LE: torch.Tensor, num_slots: int, num_gpus: int, num_nodes: int, set_above: float
@@ -249,6 +274,8 @@ def _swap_across_nodes(phy2log_TR: torch.Tensor, weight_TE: torch.Tensor, num_no
     node-local rule where it is (as expert-on-node items: moving one changes the others' little)."""
     num_rows, num_slots = phy2log_TR.shape
     num_logical = weight_TE.shape[1]
+    if num_rows == 0:
+        return phy2log_TR
     count_TEN = node_counts(phy2log_TR, num_logical, num_gpus, num_nodes)
     share_TX = (replica_loads(weight_TE, count_TEN) * count_TEN).view(num_rows, -1)  # X = E * N items
     node_R = torch.arange(num_slots) // (num_slots // num_nodes)

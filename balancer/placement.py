@@ -152,12 +152,13 @@ class ReplicaChooser:
 
     SWEEPS = 3  # one pass is myopic where replicated experts share ranks; the next passes correct it
 
-    def __init__(self, log2phy_EX: torch.Tensor, logcnt_E: torch.Tensor, num_ranks: int):
+    def __init__(self, log2phy_EX: torch.Tensor, logcnt_E: torch.Tensor, num_ranks: int, slots_per_rank: int | None = None):
+        """slots_per_rank: give it when log2phy_EX lists only some replicas (a node-local view)."""
         num_slots = int((log2phy_EX >= 0).sum())
-        if num_slots % num_ranks:
+        if slots_per_rank is None and num_slots % num_ranks:
             raise ValueError(f"{num_slots} slots do not divide evenly over {num_ranks} EP ranks")
         self.log2phy_EX, self.logcnt_E, self.num_ranks = log2phy_EX, logcnt_E, num_ranks
-        per_rank = num_slots // num_ranks
+        per_rank = slots_per_rank or num_slots // num_ranks
         self.rank_EX = torch.where(log2phy_EX >= 0, log2phy_EX // per_rank, 0)
         counts = logcnt_E.tolist()
         self.replicated = sorted((e for e, c in enumerate(counts) if c > 1), key=lambda e: (-counts[e], e))

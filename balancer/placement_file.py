@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from moe_serve.balancer.eplb import rebalance_experts
-from moe_serve.balancer.placement import balancedness, moved_slots
+from moe_serve.balancer.locality import node_local_balancedness, remote_nodes_per_token, sample_routed_tokens
+from moe_serve.balancer.placement import moved_slots
 
 
 def read_load_file(path: str | Path) -> dict:
@@ -33,7 +34,8 @@ def read_load_file(path: str | Path) -> dict:
 
 
 def initial_placement(moe_layers: list[int], num_experts: int, num_slots: int, ep_size: int, num_groups: int,
-                      source: str | Path | None = None) -> dict[int, list[int]] | None:
+                      source: str | Path | None = None, num_nodes: int = 1, topk: int = 8,
+                      topk_group: int | None = None) -> dict[int, list[int]] | None:
     """phy2log per MoE layer at start-up: from a placement file, planned from its load, or planned for
     uniform load when there are redundant slots. None = identity (slot i holds expert i)."""
     if source is None:
@@ -52,35 +54,60 @@ def initial_placement(moe_layers: list[int], num_experts: int, num_slots: int, e
             raise ValueError(f"expert placement file has {f['phy2log'].shape[1]} slots per layer, the deployment "
                              f"{num_slots}, and no load to plan from")
         load_LE = f["load"]
-    phy2log_LR, _, _ = rebalance_experts(load_LE, num_slots, num_groups, 1, ep_size)
+    phy2log_LR, _, _ = rebalance_experts(load_LE, num_slots, num_groups, num_nodes, ep_size, topk=topk,
+                                         topk_group=topk_group)
     return {layer: phy2log_LR[j].tolist() for j, layer in enumerate(moe_layers)}
 
 
 def what_if(load_LE: torch.Tensor, ep_size: int, num_redundant: int, num_nodes: int = 1, num_groups: int = 1,
             current_LR: torch.Tensor | None = None, expert_bytes: int | None = None,
-            layer_ids: list[int] | None = None) -> dict:
+            layer_ids: list[int] | None = None, topk: int = 8, topk_group: int = 1, token_bytes: int | None = None,
+            sample_tokens: int = 4096) -> dict:
     """Predicted effect of replanning: balancedness per layer against the no-replication layout (slot i
-    holds expert i), slots moved from the current placement, and the extra memory of redundant slots."""
+    holds expert i), slots moved from the current placement, and the extra memory of redundant slots. On
+    several nodes (balancedness under the node-local rule, balancer/locality.py), also the cross-node rows
+    per token (distinct remote nodes), on tokens sampled from the load and routed as the model routes
+    (topk of num_groups groups' best topk_group), and their bytes given token_bytes (hidden size x dtype)."""
     L, E = load_LE.shape
     R = E + num_redundant
     if E % ep_size or R % ep_size:
         raise ValueError(f"expert parallel size {ep_size} must divide {E} experts and {R} slots")
     baseline_LR = torch.arange(E).expand(L, E)
-    plan_LR, _, _ = rebalance_experts(load_LE.double(), R, num_groups, num_nodes, ep_size,
+    if ep_size % num_nodes:
+        raise ValueError(f"{num_nodes} nodes must divide the {ep_size} EP ranks")
+    plan_LR, _, _ = rebalance_experts(load_LE.double(), R, num_groups, num_nodes, ep_size, topk=topk,
+                                      topk_group=topk_group,
                                       previous=current_LR if current_LR is not None and current_LR.shape[1] == R else None)
+    def balance(plan_LR):
+        return node_local_balancedness(load_LE.double(), plan_LR, ep_size, num_nodes).tolist()
+
     report = {
         "num_layers": L, "num_experts": E, "num_slots": R, "ep_size": ep_size, "num_nodes": num_nodes,
         "layer_ids": list(layer_ids) if layer_ids is not None else list(range(L)),  # decoder-layer indices
-        "balancedness_no_replication": balancedness(load_LE.double(), baseline_LR, ep_size).tolist(),
-        "balancedness_planned": balancedness(load_LE.double(), plan_LR, ep_size).tolist(),
+        "balancedness_no_replication": balance(baseline_LR),
+        "balancedness_planned": balance(plan_LR),
         "phy2log": plan_LR.tolist(),
     }
     if current_LR is not None:
-        report["balancedness_current"] = balancedness(load_LE.double(), current_LR, ep_size).tolist()
+        report["balancedness_current"] = balance(current_LR)
         if current_LR.shape == plan_LR.shape:
             report["slots_moved"] = moved_slots(current_LR, plan_LR)
     if expert_bytes is not None:
         report["extra_bytes_per_rank"] = num_redundant * L * expert_bytes // ep_size
+    if num_nodes > 1:
+        gen = torch.Generator().manual_seed(0)
+        tokens = [sample_routed_tokens(w_E, sample_tokens, min(topk, E), num_groups, topk_group, gen) for w_E in load_LE]
+        src_T = torch.arange(sample_tokens) % num_nodes
+
+        def remote(plan_LR):  # cross-node rows per token, mean over layers
+            return sum(remote_nodes_per_token(t, src_T, p, ep_size, num_nodes).double().mean().item()
+                       for t, p in zip(tokens, plan_LR)) / L
+
+        report["cross_node_rows_per_token"] = {"no_replication": remote(baseline_LR), "planned": remote(plan_LR)}
+        if current_LR is not None:
+            report["cross_node_rows_per_token"]["current"] = remote(current_LR)
+        if token_bytes is not None:
+            report["token_bytes"] = token_bytes
     return report
 
 
@@ -98,6 +125,12 @@ def format_what_if(report: dict) -> str:
                      f"{report['num_layers'] * report['num_slots']}")
     elif "balancedness_current" in report:
         lines.append("slots that would load new weights: all (the number of slots per layer changes)")
+    if "cross_node_rows_per_token" in report:
+        rows = report["cross_node_rows_per_token"]
+        size = report.get("token_bytes")
+        lines.append("cross-node rows per token (distinct remote nodes, tokens sampled from the load): "
+                     + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" + (f" ({v * size / 1024:.1f} KiB)" if size else "")
+                                 for k, v in rows.items()))
     if "extra_bytes_per_rank" in report:
         lines.append(f"extra memory per EP rank for redundant slots: {report['extra_bytes_per_rank'] / 2**20:.3f} MiB")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_serve.balancer.eplb import rebalance_experts
-from moe_serve.balancer.placement import balancedness
+from moe_serve.balancer.locality import node_local_balancedness, planning_nodes
 from moe_serve.parallel import comm
 
 log = logging.getLogger(__name__)
@@ -58,10 +58,17 @@ class EplbConfig:
 
 
 class Rebalancer:
-    def __init__(self, config: EplbConfig, blocks: dict, recorder, ep_group: comm.Group | None, num_groups: int):
+    def __init__(self, config: EplbConfig, blocks: dict, recorder, ep_group: comm.Group | None, num_groups: int,
+                 topk: int = 8, topk_group: int | None = None):
         """blocks: layer index -> MoE block (with phy2log_R, relocate_experts); recorder: the engine's
-        ExpertLoadRecorder, whose layer j is the j-th block in layer order."""
+        ExpertLoadRecorder, whose layer j is the j-th block in layer order; num_groups, topk, topk_group: how
+        the model routes (expert groups, experts per token, groups a token may use)."""
         self.config, self.recorder, self.ep_group, self.num_groups = config, recorder, ep_group, num_groups
+        self.routing = {"topk": topk, "topk_group": topk_group}
+        # EP ranks on several nodes: plans keep co-routed experts on a node (balancer/node_placement.py)
+        self.num_nodes = 1 if ep_group is None else planning_nodes(ep_group.nodes)
+        if self.num_nodes > 1:
+            recorder.enable_coactivation()
         self.layers = sorted(blocks)
         self.blocks = blocks
         self.pending: list[tuple[int, list[int]]] = []
@@ -103,18 +110,26 @@ class Rebalancer:
     def _start_plan(self) -> None:
         """The window's load summed over the EP group here, on the step path (a collective, in step order on
         every rank); the planner then runs in a background thread while the next `plan_steps` steps run."""
-        load_LE, current_LR = self.window_load(), self.current_placement()
+        load_LE, current_LR, coact_LEE = self.window_load(), self.current_placement(), self.coactivation()
         if self._planner is None:
             self._planner = ThreadPoolExecutor(1, thread_name_prefix="eplb-planner")
-        future = self._planner.submit(self._compute_plan, load_LE, current_LR)
+        future = self._planner.submit(self._compute_plan, load_LE, current_LR, coact_LEE)
         self._planning = (self.steps + self.config.plan_steps, future)
 
-    def _compute_plan(self, load_LE: torch.Tensor, current_LR: torch.Tensor):
+    def coactivation(self) -> torch.Tensor | None:
+        """Co-activation counts summed over the EP group (a collective), or None on one node or before any."""
+        coact_LEE = self.recorder.coactivation() if self.num_nodes > 1 else None
+        if coact_LEE is None:
+            return None
+        coact_LEE = comm.all_reduce(coact_LEE.to(self.ep_group.device), self.ep_group).cpu()
+        return coact_LEE.double() if coact_LEE.any() else None
+
+    def _compute_plan(self, load_LE: torch.Tensor, current_LR: torch.Tensor, coact_LEE: torch.Tensor | None = None):
         """(current, planned placement, balancedness before, after): pure, the same on every rank."""
-        phy2log_LR, _, _ = rebalance_experts(load_LE, current_LR.shape[1], self.num_groups, 1, self.ep_size,
-                                             previous=current_LR)
-        return (current_LR, phy2log_LR, balancedness(load_LE, current_LR, self.ep_size),
-                balancedness(load_LE, phy2log_LR, self.ep_size))
+        phy2log_LR, _, _ = rebalance_experts(load_LE, current_LR.shape[1], self.num_groups, self.num_nodes,
+                                             self.ep_size, previous=current_LR, coactivation=coact_LEE, **self.routing)
+        return (current_LR, phy2log_LR, node_local_balancedness(load_LE, current_LR, self.ep_size, self.num_nodes),
+                node_local_balancedness(load_LE, phy2log_LR, self.ep_size, self.num_nodes))
 
     def plan(self, min_gain: float | None = None) -> int:
         """Plan from the window's load now; queue the layers whose placement changes, unless the plan raises the
@@ -122,7 +137,8 @@ class Rebalancer:
         nothing. Returns how many layers were queued."""
         self._planning = None  # a background plan still running is superseded (every rank calls this alike)
         min_gain = self.config.min_gain if min_gain is None else min_gain
-        return self._queue(*self._compute_plan(self.window_load(), self.current_placement()), min_gain)
+        return self._queue(*self._compute_plan(self.window_load(), self.current_placement(), self.coactivation()),
+                           min_gain)
 
     def _queue(self, current_LR, phy2log_LR, before, after, min_gain: float) -> int:
         gain = (after.mean() - before.mean()).item()

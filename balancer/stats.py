@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.balancer.locality import coactivation
 from moe_serve.parallel import comm
 
 
@@ -91,6 +92,7 @@ class ExpertLoadRecorder:
         self._alloc_slot_counts()
         self._measured_slots = False  # set once a caller passes the slot ids it used
         self._ones = torch.ones(256, dtype=torch.int64, device=self.device)
+        self._coact_step_LEE = self._coact_total_LEE = None  # co-activation, once enable_coactivation() is called
         self._pos = 0  # ring row the next completed step goes to
         self.steps_total = 0
         self.steps_recorded = 0
@@ -109,6 +111,18 @@ class ExpertLoadRecorder:
             raise ValueError(f"{phy2log_LR.shape[1]} slots do not divide evenly over {self.ep_size} expert-parallel ranks")
         self.phy2log_LR = phy2log_LR
 
+    def enable_coactivation(self) -> None:
+        """Also count, per layer, the tokens that chose both of two experts (balancer.locality.coactivation): what
+        a node-aware placement keeps together. Totals since start or the last reset; L x E x E counts."""
+        if self._coact_total_LEE is None:
+            shape = (self.num_layers, self.num_experts, self.num_experts)
+            self._coact_step_LEE = torch.zeros(shape, dtype=torch.int64, device=self.device)
+            self._coact_total_LEE = torch.zeros(shape, dtype=torch.int64, device=self.device)
+
+    def coactivation(self) -> torch.Tensor | None:
+        """CPU copy of the co-activation totals [L, E, E], or None when not counted."""
+        return None if self._coact_total_LEE is None else self._coact_total_LEE.cpu().clone()
+
     # ---- hot path (inside the forward pass) --------------------------------------------------------
     def layer_sink(self, layer: int) -> "LayerLoadSink":
         """What MoE layer `layer` (0-based among the recorded layers) calls with its routing every forward."""
@@ -120,6 +134,8 @@ class ExpertLoadRecorder:
             self._ones = torch.ones(max(ids.numel(), 2 * self._ones.numel()), dtype=torch.int64, device=self.device)
         ones = self._ones[:ids.numel()]
         self._step_LE[layer].index_add_(0, ids, ones)
+        if self._coact_step_LEE is not None and topk_ids_TK.dim() == 2:
+            self._coact_step_LEE[layer] += coactivation(topk_ids_TK, self.num_experts)
         if phy_ids_TK is not None:
             self._measured_slots = True
             slots = ids if phy_ids_TK is topk_ids_TK else phy_ids_TK.reshape(-1).long()
@@ -144,6 +160,9 @@ class ExpertLoadRecorder:
             if self.recording:
                 record += step
             step.zero_()
+        if self._coact_step_LEE is not None:
+            self._coact_total_LEE += self._coact_step_LEE
+            self._coact_step_LEE.zero_()
         self._pos = (self._pos + 1) % self.window_steps
         self.steps_total += 1
         self.steps_recorded += int(self.recording)
@@ -154,11 +173,13 @@ class ExpertLoadRecorder:
         self._step_LE.zero_()
         if self._measured_slots:
             self._step_LR.zero_()
+        if self._coact_step_LEE is not None:
+            self._coact_step_LEE.zero_()
 
     def reset(self) -> None:
         """Forget everything recorded so far (the server calls it after its warm-up generation)."""
         for t in (self._step_LE, self._ring_WLE, self._total_LE, self._record_LE, self._step_LR, self._ring_WLR,
-                  self._total_LR, self._record_LR):
+                  self._total_LR, self._record_LR, self._coact_step_LEE, self._coact_total_LEE):
             if t is not None:
                 t.zero_()
         self._pos = 0

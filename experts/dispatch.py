@@ -39,6 +39,11 @@ class DispatchStats:
     naive_bytes_sent: int = 0  # naive_rows_sent * H * element size
     rows_recv_remote: int = 0  # rows received from other ranks
     combine_bytes_sent: int = 0  # partial outputs sent back to other ranks: rows_recv_remote * H * element size
+    # EP ranks on several nodes (Group.nodes): what crossed between nodes
+    rows_sent_cross_node: int = 0  # rows sent to ranks on other nodes
+    bytes_sent_cross_node: int = 0  # rows_sent_cross_node * H * element size
+    node_rows_sent_remote: int = 0  # (token, other node) pairs: one row per distinct remote node, what a
+    #                                 transport forwarding inside each node would send (the planner's measure)
 
     def __add__(self, other: "DispatchStats") -> "DispatchStats":
         return DispatchStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -91,8 +96,10 @@ def dispatch(
     # comm: counts, then the one host sync of the step
     ones = [1] * W
     recv_counts_W = all_to_all_uneven(send_counts_W, ones, ones, group)
-    host = torch.cat([send_counts_W, recv_counts_W, naive_W, max_id.to(send_counts_W.dtype)]).tolist()
-    send_splits, recv_splits, naive, top = host[:W], host[W : 2 * W], host[2 * W : 3 * W], host[-1]
+    remote_nodes = permute.remote_node_rows(mask_TW, group.nodes, me).reshape(1).to(send_counts_W.dtype)
+    host = torch.cat([send_counts_W, recv_counts_W, naive_W, remote_nodes, max_id.to(send_counts_W.dtype)]).tolist()
+    send_splits, recv_splits, naive, node_rows, top = (host[:W], host[W : 2 * W], host[2 * W : 3 * W], host[-2],
+                                                       host[-1])
     if top >= W * slots_per_rank:
         raise ValueError(f"topk id {top} is beyond {W} EP ranks x {slots_per_rank} slots per rank")
 
@@ -110,6 +117,7 @@ def dispatch(
     rows_remote = sum(send_splits) - send_splits[me]
     recv_remote = sum(recv_splits) - recv_splits[me]
     naive_remote = sum(naive) - naive[me]
+    cross = sum(n for w, n in enumerate(send_splits) if group.nodes and group.nodes[w] != group.nodes[me])
     stats = DispatchStats(
         tokens=T,
         rows_sent_remote=rows_remote,
@@ -120,6 +128,9 @@ def dispatch(
         naive_bytes_sent=naive_remote * H * elem,
         rows_recv_remote=recv_remote,
         combine_bytes_sent=recv_remote * H * elem,
+        rows_sent_cross_node=cross,
+        bytes_sent_cross_node=cross * H * elem,
+        node_rows_sent_remote=node_rows,
     )
     handle = DispatchHandle(token_idx_S, tuple(send_splits), tuple(recv_splits), T, x_TH.dtype, stats)
     return recv_x_RH, recv_ids_RK, recv_w_RK, handle

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moe_serve.balancer.locality import node_local_view
 from moe_serve.balancer.placement import ReplicaChooser, build_log2phy
 from moe_serve.experts.dispatch import DispatchStats, combine, dispatch
 from moe_serve.experts.relocate import relocate
@@ -83,8 +84,13 @@ class MoEBlock(nn.Module):
         log2phy_1EX, logcnt_1E = build_log2phy(torch.tensor([self.phy2log_R]), self.num_experts)
         device = self.gate.weight.device
         self.log2phy_EX, self.logcnt_E = log2phy_1EX[0].to(device), logcnt_1E[0].to(device)
-        # each token's replica, chosen from the batch's load on the EP ranks (balancer/placement.py)
-        self.replica_chooser = ReplicaChooser(self.log2phy_EX, self.logcnt_E, self.ep_size)
+        # each token's replica, chosen from the batch's load on the EP ranks (balancer/placement.py); when the EP
+        # group spans nodes, among the replicas on this rank's node where the expert has some (the node-local rule)
+        log2phy_EX, logcnt_E = self.log2phy_EX, self.logcnt_E
+        if self.ep_group is not None and self.ep_group.num_nodes > 1:
+            log2phy_EX, logcnt_E = node_local_view(log2phy_EX, logcnt_E, self.slots_per_rank,
+                                                   self.ep_group.node_members())
+        self.replica_chooser = ReplicaChooser(log2phy_EX, logcnt_E, self.ep_size, self.slots_per_rank)
 
     def relocate_experts(self, new_phy2log_R: list[int]) -> int:
         """Between steps: load the slots whose expert changes (weights and any FP8 scales) from the ranks

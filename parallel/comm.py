@@ -36,8 +36,11 @@ class Group:
     pg: dist.ProcessGroup | None = None  # None only for a group of one rank
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where its tensors live
     watchdog: Watchdog | None = None
+    nodes: tuple[int, ...] = ()  # the node (machine) of each member, in group order; () = all on one node
 
     def __post_init__(self):
+        if self.nodes and len(self.nodes) != len(self.ranks):
+            raise ValueError(f"group {self.name}: {len(self.nodes)} node ids for {len(self.ranks)} ranks")
         if self.rank not in self.ranks:
             raise ValueError(f"group {self.name}: rank {self.rank} is not among its ranks {list(self.ranks)}")
         if self.pg is None and len(self.ranks) > 1:
@@ -55,6 +58,17 @@ class Group:
     def index(self) -> int:
         """This rank's position in the group (what torch calls the group rank)."""
         return self.ranks.index(self.rank)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.nodes)) if self.nodes else 1
+
+    def node_members(self) -> tuple[int, ...]:
+        """Positions in the group of the members on this rank's node (this rank's included)."""
+        if not self.nodes:
+            return tuple(range(self.size))
+        mine = self.nodes[self.index]
+        return tuple(i for i, n in enumerate(self.nodes) if n == mine)
 
 
 # ---- tensors the backend may still hold -----------------------------------------------------------

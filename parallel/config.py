@@ -16,12 +16,17 @@ class ParallelConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     collective_timeout_s: float = 60.0  # a collective not done by then ends the job, naming the lost rank(s)
+    ranks_per_node: int | None = None  # ranks on one machine (rank r on node r // this); None: torchrun's
+    #                                    LOCAL_WORLD_SIZE (its --nproc-per-node)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool)
+                                                or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be a positive integer or None, got {self.ranks_per_node!r}")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s!r}")
 

@@ -169,8 +169,16 @@ def init_parallel(
     watchdog = Watchdog(rank, host, port, config.collective_timeout_s, heartbeat_interval_s,
                         store_host_rank=None if agent_store else 0, world_size=world_size).start()
 
+    per_node = config.ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % per_node:
+        raise ValueError(f"{world_size} ranks do not split into nodes of {per_node} (ranks_per_node or torchrun's "
+                         "--nproc-per-node must divide the world)")
+
+    def nodes(ranks: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(r // per_node for r in ranks)
+
     world_ranks = tuple(range(world_size))
-    world = Group("world", world_ranks, rank, dist.group.WORLD, device, watchdog)
+    world = Group("world", world_ranks, rank, dist.group.WORLD, device, watchdog, nodes(world_ranks))
     cpu_pg = dist.group.WORLD if backend == "gloo" else dist.new_group(list(world_ranks), timeout=timeout, backend="gloo")
     cpu = Group("cpu", world_ranks, rank, cpu_pg, torch.device("cpu"), watchdog)
 
@@ -183,7 +191,7 @@ def init_parallel(
         for ranks in layout[axis]:
             pg = dist.new_group(list(ranks), timeout=timeout, backend=backend) if len(ranks) > 1 else None
             if rank in ranks:
-                groups[axis] = Group(axis, ranks, rank, pg, device, watchdog if pg is not None else None)
+                groups[axis] = Group(axis, ranks, rank, pg, device, watchdog if pg is not None else None, nodes(ranks))
     state = ParallelState(config, rank_coordinates(rank, tp, dp, pp), local_rank, device, world, cpu,
                           groups["tp"], groups["dp"], groups["pp"], groups["ep"], watchdog)
     atexit.register(_close_at_exit, state)  # runs before the drain registered above (atexit is LIFO)

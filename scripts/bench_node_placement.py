@@ -31,7 +31,8 @@ import torch
 from bench_balancer import base_shares
 from eplb_peer import load_eplb
 from moe_serve.balancer import balancedness, rebalance_experts, validate_plan
-from moe_serve.balancer.locality import coactivation, node_local_balancedness, remote_nodes_per_token
+from moe_serve.balancer.locality import (coactivation, node_local_balancedness, remote_nodes_per_token,
+                                         sample_routed_tokens)
 
 NUM_EXPERTS, NUM_GROUPS, TOPK_GROUP, TOPK = 256, 8, 4, 8
 PLAN_TOKENS, EVAL_TOKENS = 8192, 4096
@@ -44,14 +45,7 @@ LOADS = {"uniform": ("uniform", 0.1), "zipf s=1": ("zipf1", 0.1), "zipf s=1.4": 
 
 
 def route_tokens(shares_E: torch.Tensor, num_tokens: int, gen: torch.Generator) -> torch.Tensor:
-    """topk_ids_TK routed the DeepSeek-V3 way from scores log(share) + Gumbel noise."""
-    uniform_TE = torch.rand(num_tokens, NUM_EXPERTS, generator=gen, dtype=torch.float64).clamp(min=1e-12)
-    score_TE = shares_E.clamp(min=1e-12).log() - (-uniform_TE.log()).log()
-    group_TGE = score_TE.view(num_tokens, NUM_GROUPS, -1)
-    best_TG = group_TGE.topk(2, dim=2).values.sum(2)
-    keep_TG = torch.zeros_like(best_TG, dtype=torch.bool).scatter_(1, best_TG.topk(TOPK_GROUP, dim=1).indices, True)
-    masked_TE = group_TGE.masked_fill(~keep_TG.unsqueeze(2), -float("inf")).view(num_tokens, NUM_EXPERTS)
-    return masked_TE.topk(TOPK, dim=1).indices
+    return sample_routed_tokens(shares_E, num_tokens, TOPK, NUM_GROUPS, TOPK_GROUP, gen)
 
 
 def windows(kind: str, sigma: float, num_windows: int, num_layers: int, seed: int):
@@ -83,8 +77,9 @@ def run_row(dep, kind, sigma, num_windows, num_layers, seed, eplb) -> dict:
         args = (num_slots, NUM_GROUPS, num_nodes, num_gpus)
         hier = eplb.plan(weight_LE, *args, policy="hierarchical")
         glob = eplb.plan(weight_LE, *args, policy="global")
-        ours = rebalance_experts(weight_LE, *args)
-        ours_co = rebalance_experts(weight_LE, *args, coactivation=coact_LEE)
+        routing = {"topk": TOPK, "topk_group": TOPK_GROUP}
+        ours = rebalance_experts(weight_LE, *args, **routing)
+        ours_co = rebalance_experts(weight_LE, *args, coactivation=coact_LEE, **routing)
         for plan in (ours, ours_co):
             validate_plan(*plan, NUM_EXPERTS)
         add("hier bal", balancedness(weight_LE, hier, num_gpus).mean().item())

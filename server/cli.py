@@ -139,8 +139,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         mc = ModelConfig.from_dir(args.model)
         itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(mc.torch_dtype or "bfloat16", 2)
         expert_bytes = 3 * mc.hidden_size * mc.moe_intermediate_size * itemsize
+    routing = {"num_groups": args.groups or 1, "topk_group": args.topk_group or 1, "topk": args.topk or 8}
+    token_bytes = None
+    if args.model:
+        routing = {"num_groups": args.groups or mc.n_group or 1, "topk_group": args.topk_group or mc.topk_group or 1,
+                   "topk": args.topk or mc.num_experts_per_tok}
+        token_bytes = mc.hidden_size * itemsize
     report = what_if(dump["load"], args.ep, args.redundant, args.nodes, current_LR=dump["phy2log"],
-                     expert_bytes=expert_bytes, layer_ids=dump["layer_ids"])
+                     expert_bytes=expert_bytes, layer_ids=dump["layer_ids"], token_bytes=token_bytes, **routing)
     print(format_what_if(report))
     if args.out:
         Path(args.out).write_text(json.dumps({"layer_ids": dump["layer_ids"], "num_experts": report["num_experts"],
@@ -213,7 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--ep", type=int, required=True, help="expert-parallel ranks")
     pl.add_argument("--redundant", type=int, default=0, help="redundant expert slots per MoE layer")
     pl.add_argument("--nodes", type=int, default=1)
-    pl.add_argument("--model", default=None, help="checkpoint dir, to price the redundant slots' memory")
+    pl.add_argument("--model", default=None, help="checkpoint dir: prices the redundant slots' memory and a token's "
+                    "bytes, and gives the routing (groups, top-k) that cross-node figures sample")
+    pl.add_argument("--groups", type=int, default=None, help="expert groups (default: the model's, else 1)")
+    pl.add_argument("--topk-group", type=int, default=None, help="groups a token may use (default: the model's)")
+    pl.add_argument("--topk", type=int, default=None, help="experts per token (default: the model's, else 8)")
     pl.add_argument("--out", default=None, help="write the planned placement here (JSON)")
     pl.set_defaults(func=cmd_plan)
     bench_p = sub.add_parser("bench", help="benchmarks; `moe bench serve`: goodput, TTFT and TPOT against a server")

@@ -23,8 +23,10 @@ def main() -> None:
     stats = llm.stats()
     layers = llm.engine.runner.model.model.layers
     decode_kernels = sum(getattr(layer, "fast_decode", None) is not None for layer in layers)  # CPU backend, bf16
+    rebalancer = getattr(llm.engine, "rebalancer", None)
     Path(f"{out}.rank{rank}").write_text(json.dumps({"tokens": tokens, "stats": stats,
-                                                     "decode_layer_kernels": decode_kernels}))
+                                                     "decode_layer_kernels": decode_kernels,
+                                                     "rebalances": rebalancer.num_rebalances if rebalancer else 0}))
 
 
 if __name__ == "__main__":

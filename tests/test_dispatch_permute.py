@@ -79,3 +79,11 @@ def test_local_path_same_interface():
 def test_stats_add():
     a = DispatchStats(tokens=1, bytes_sent=10)
     assert (a + a).tokens == 2 and (a + a).bytes_sent == 20 and (a + DispatchStats()).naive_bytes_sent == 0
+
+
+def test_remote_node_rows_counts_each_remote_node_once_per_token():
+    # 4 ranks on 2 nodes (0, 0, 1, 1); rank 0 sends token 0 to ranks 1, 2 and 3, token 1 to rank 1, token 2 to 3.
+    mask = torch.tensor([[True, True, True, True], [False, True, False, False], [False, False, False, True]])
+    assert permute.remote_node_rows(mask, (0, 0, 1, 1), 0).item() == 2  # tokens 0 and 2 reach node 1
+    assert permute.remote_node_rows(mask, (0, 0, 1, 1), 3).item() == 2  # tokens 0 and 1 reach node 0
+    assert permute.remote_node_rows(mask, (), 0).item() == 0  # one node

@@ -198,3 +198,17 @@ def test_engine_hook_counts_what_the_router_chose(checkpoint, monkeypatch):
     assert direct_LE.sum().item() == L * top_k * sum(len(o.prompt_token_ids) + 4 for o in outs)
     monkeypatch.undo()
     assert [o.outputs[0].token_ids for o in llm.generate(["Hello", "Once upon a time"], params)] == plain
+
+
+def test_coactivation_totals_count_pairs_of_completed_steps_only():
+    rec = ExpertLoadRecorder(2, 4, window_steps=2)
+    assert rec.coactivation() is None  # not counted unless asked for (a node-aware balancer asks)
+    rec.enable_coactivation()
+    rec.record(0, torch.tensor([[0, 1], [1, 2]]))
+    rec.end_step()
+    rec.record(1, torch.tensor([[3, 0]]))
+    rec.discard_step()  # a dummy batch: dropped
+    co = rec.coactivation()
+    assert co.shape == (2, 4, 4) and co[0, 0, 1] == 1 and co[0, 1, 2] == 1 and co[0, 2, 1] == 1 and co[1].sum() == 0
+    rec.reset()
+    assert rec.coactivation().sum() == 0

@@ -20,7 +20,7 @@ ALL_METRICS = [
     "moe_prefix_cache_queries", "moe_prefix_cache_hits", "moe_num_preemptions", "moe_prompt_tokens",
     "moe_generation_tokens", "moe_time_to_first_token_seconds", "moe_inter_token_latency_seconds",
     "moe_e2e_request_latency_seconds", "moe_request_finished", "moe_expert_balancedness", "moe_ep_rank_tokens",
-    "moe_all_to_all_bytes", "moe_gpu_utilization_perc", "moe_gpu_memory_used_bytes", "moe_gpu_memory_total_bytes",
+    "moe_all_to_all_bytes", "moe_dispatch_cross_node_bytes", "moe_gpu_utilization_perc", "moe_gpu_memory_used_bytes", "moe_gpu_memory_total_bytes",
     "moe_engine_alive", "moe_startup_seconds",
 ]
 
@@ -48,7 +48,8 @@ def test_every_metric_documented_in_readme():
     documented = set(re.findall(r"`(moe_[a-z0-9_]+)", readme))
     exposed = {n + "_total" if n in ("moe_prefix_cache_queries", "moe_prefix_cache_hits", "moe_num_preemptions",
                                      "moe_prompt_tokens", "moe_generation_tokens", "moe_request_finished",
-                                     "moe_ep_rank_tokens", "moe_all_to_all_bytes") else n for n in ALL_METRICS}
+                                     "moe_ep_rank_tokens", "moe_all_to_all_bytes", "moe_dispatch_cross_node_bytes")
+                else n for n in ALL_METRICS}
     assert exposed <= documented, exposed - documented
 
 

@@ -103,3 +103,28 @@ def test_coactivation_must_match_the_load():
     weight = torch.ones(2, E)
     with pytest.raises(ValueError, match="coactivation must be"):
         rebalance_experts(weight, 80, GROUPS, 4, 16, coactivation=torch.zeros(2, E, E - 1))
+
+
+def test_replica_chooser_on_a_node_local_view_stays_on_the_node():
+    from moe_serve.balancer.placement import ReplicaChooser
+
+    phy2log = torch.tensor([[0, 1, 2, 3, 0, 4, 5, 5]])  # 4 ranks x 2 slots; ranks 2, 3 on node 1
+    log2phy, logcnt = build_log2phy(phy2log, 6)
+    view, cnt = node_local_view(log2phy[0], logcnt[0], slots_per_rank=2, node_ranks=(2, 3))
+    chosen = ReplicaChooser(view, cnt, 4, slots_per_rank=2)(torch.tensor([[0, 5], [0, 5], [1, 5], [0, 2]]))
+    assert chosen[:, 0].tolist() == [4, 4, 1, 4]  # expert 0 on node 1's slot 4; expert 1 only on node 0
+    assert set(chosen[:3, 1].tolist()) <= {6, 7} and chosen[3, 1] == 2
+
+
+def test_moe_plan_reports_cross_node_rows_on_several_nodes():
+    from moe_serve.balancer.placement_file import format_what_if, what_if
+
+    weight = torch.stack([torch.bincount(t.flatten(), minlength=E) for t in routed_tokens(2, 2000, 1.0, 3)]).double()
+    report = what_if(weight, 16, 16, num_nodes=4, num_groups=GROUPS, topk=K, topk_group=TOPK_GROUP, token_bytes=1024,
+                     sample_tokens=1000)
+    rows = report["cross_node_rows_per_token"]
+    assert set(rows) == {"no_replication", "planned"} and all(0 < v <= 3 for v in rows.values())
+    assert min(report["balancedness_planned"]) > max(report["balancedness_no_replication"])
+    assert "cross-node rows per token" in format_what_if(report) and "KiB" in format_what_if(report)
+    with pytest.raises(ValueError, match="3 nodes must divide the 16 EP ranks"):
+        what_if(weight, 16, 16, num_nodes=3)

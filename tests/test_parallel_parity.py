@@ -129,18 +129,27 @@ def test_lone_request_on_data_parallel_ranks(checkpoint, tmp_path):
 
 
 def test_two_node_launch(checkpoint, tmp_path):
-    """Two torchrun launches (--nnodes 2) of two ranks each on loopback: pp=2 x dp=2 with EP."""
+    """Two torchrun launches (--nnodes 2) of two ranks each on loopback: dp=4 with EP across both nodes and
+    redundant slots, so the placement is node-aware, re-planned while generating, and tokens take a replica on
+    their own node where the expert has one; the dispatch statistics count what crossed between the nodes."""
     ckpt = checkpoint("v3")
     port = free_port()
     out = tmp_path / "out.json"
-    args = [ckpt, str(out), json.dumps(LAYOUTS["pp2-dp2-ep"][0]), json.dumps(PROMPTS), str(MAX_TOKENS)]
+    layout = {"data_parallel_size": 4, "enable_expert_parallel": True, "num_redundant_experts": 4,
+              "enable_eplb": True, "eplb_interval": 6, "eplb_plan_steps": 0, "eplb_min_gain": 0.0}
+    args = [ckpt, str(out), json.dumps(layout), json.dumps(PROMPTS), str(MAX_TOKENS)]
     nodes = [torchrun(2, args, nnodes=2, node_rank=i, port=port, wait=False) for i in range(2)]
     logs = [finish(node, timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(
         f"--- node {i} (exit {node.returncode}):\n{log[-3000:]}" for i, (node, log) in enumerate(zip(nodes, logs)))
     expected = single_process_tokens(ckpt)
     for r in range(4):
-        assert json.loads(Path(f"{out}.rank{r}").read_text())["tokens"] == expected
+        result = json.loads(Path(f"{out}.rank{r}").read_text())
+        assert result["tokens"] == expected
+        stats = result["stats"]
+        assert 0 < stats["dispatch_rows_sent_cross_node"] <= stats["dispatch_rows_sent_remote"]
+        assert 0 < stats["dispatch_node_rows_sent_remote"] <= stats["dispatch_rows_sent_cross_node"]
+        assert result["rebalances"] >= 1  # re-planned across the nodes (with co-activation) while generating
 
 
 def test_killed_rank_ends_the_job(checkpoint, tmp_path):

@@ -32,6 +32,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     collective_timeout_s: float = 60.0
+    ranks_per_node: int | None = None  # None: torchrun's --nproc-per-node (LOCAL_WORLD_SIZE)
     # expert load balancing (see balancer/rebalancer.py)
     enable_eplb: bool = False
     eplb_window: int = 1000
@@ -70,7 +71,7 @@ class EngineConfig:
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
-                              self.enable_expert_parallel, self.collective_timeout_s)
+                              self.enable_expert_parallel, self.collective_timeout_s, self.ranks_per_node)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

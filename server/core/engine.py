@@ -17,6 +17,7 @@ import time
 import torch
 from transformers import AutoTokenizer
 
+from moe_serve.balancer.locality import planning_nodes
 from moe_serve.balancer.placement_file import initial_placement
 from moe_serve.balancer.rebalancer import Rebalancer
 from moe_serve.balancer.stats import ExpertLoadRecorder
@@ -72,7 +73,8 @@ class EngineCore:
         if blocks:  # recording is on by default: one scatter-add per MoE layer, no host sync
             self.enable_expert_load_recording(eplb.window)
             self.rebalancer = Rebalancer(eplb, blocks, self.expert_load_recorder,
-                                         self.parallel.ep if self.parallel.ep.size > 1 else None, mc.n_group or 1)
+                                         self.parallel.ep if self.parallel.ep.size > 1 else None, mc.n_group or 1,
+                                         mc.num_experts_per_tok, mc.topk_group)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -98,7 +100,8 @@ class EngineCore:
                      config.num_redundant_experts,
                      config.num_redundant_experts * slot_bytes * len(moe_layers) / pcfg.ep_size / 2**20, len(moe_layers))
         return initial_placement(moe_layers, mc.n_routed_experts, num_slots, pcfg.ep_size, mc.n_group or 1,
-                                 config.expert_placement)
+                                 config.expert_placement, planning_nodes(self.parallel.ep.nodes),
+                                 topk=mc.num_experts_per_tok, topk_group=mc.topk_group)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:

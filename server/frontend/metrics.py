@@ -110,6 +110,9 @@ class EngineStatsCollector:
         a2a = sum(s.get(f"dispatch_{k}", 0) for k in ("bytes_sent", "meta_bytes_sent", "combine_bytes_sent"))
         yield CounterMetricFamily("moe_all_to_all_bytes", "Bytes this engine sent to other EP ranks in all-to-all "
                                   "dispatch and combine (hidden states, ids, weights); 0 with a single rank.", value=a2a)
+        yield CounterMetricFamily("moe_dispatch_cross_node_bytes", "Hidden-state bytes dispatch sent to EP ranks on "
+                                  "other nodes (ranks mapped to nodes by torchrun's --nproc-per-node); 0 on one node.",
+                                  value=s.get("dispatch_bytes_sent_cross_node", 0))
 
 
 class GpuCollector:
