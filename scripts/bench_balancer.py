@@ -5,7 +5,8 @@
 
 Each load is a series of windows of per-expert token counts, [W, L, E]: expected shares per layer that
 drift between windows (log-normal steps) and Poisson sampling of 8192 tokens x 8 experts per window.
-For every window we plan with EPLB's hierarchical and global policies and with ours from scratch; EPLB is
+For every window we plan with EPLB's hierarchical and global policies and with ours from scratch (balance
+alone: ours with num_nodes 1; scripts/bench_node_placement.py compares the node-aware plans); EPLB is
 DeepSeek's, imported from vLLM's installed package or a checkout given with --eplb (scripts/eplb_peer.py;
 the run prints which); "ours + previous" re-plans each window from the plan in service (chained from window
 0), and "EPLB moved" is what EPLB's own choice of policy reloads from one window to the next.
@@ -99,6 +100,7 @@ def plan(fn, *args, **kwargs):
 
 def run_row(dep: Deployment, windows_WLE: torch.Tensor, eplb: Eplb) -> dict:
     args = (dep.num_replicas, dep.num_groups, dep.num_nodes, dep.num_gpus)
+    ours_args = (dep.num_replicas, dep.num_groups, 1, dep.num_gpus)  # balance alone (nodes: bench_node_placement.py)
     bal = {k: [] for k in ("hier", "global", "fresh", "prev")}
     worst = {k: 1.0 for k in bal}
     moved_prev, moved_eplb, t_fresh, t_prev, t_eplb = [], [], [], [], []
@@ -111,14 +113,14 @@ def run_row(dep: Deployment, windows_WLE: torch.Tensor, eplb: Eplb) -> dict:
             results[key] = eplb.plan(weight_LE, *args, policy=policy)
             t_eplb.append(time.process_time() - start)
         eplb_auto = results["hier" if dep.num_groups % dep.num_nodes == 0 else "global"]
-        phy2log, log2phy, logcnt, dt = plan(rebalance_experts, weight_LE, *args)
+        phy2log, log2phy, logcnt, dt = plan(rebalance_experts, weight_LE, *ours_args)
         validate_plan(phy2log, log2phy, logcnt, dep.num_experts)
         results["fresh"] = phy2log
         t_fresh.append(dt)
         if in_service is None:
             in_service = phy2log
         else:
-            phy2log, log2phy, logcnt, dt = plan(rebalance_experts, weight_LE, *args, previous=in_service)
+            phy2log, log2phy, logcnt, dt = plan(rebalance_experts, weight_LE, *ours_args, previous=in_service)
             validate_plan(phy2log, log2phy, logcnt, dep.num_experts)
             moved_prev.append(moved_slots(in_service, phy2log) / phy2log.numel())
             moved_eplb.append(moved_slots(eplb_in_service, eplb_auto) / phy2log.numel())
@@ -143,7 +145,7 @@ def print_timing(num_layers: int, repeats: int = 7) -> None:
     """Wall time of one call, best and median of `repeats` (the best is the least disturbed by other work),
     and the best CPU time (what the call itself used, whatever else the machine runs)."""
     for dep in DEPLOYMENTS[:3]:
-        args = (dep.num_replicas, dep.num_groups, dep.num_nodes, dep.num_gpus)
+        args = (dep.num_replicas, dep.num_groups, 1, dep.num_gpus)
         windows_WLE = make_windows("zipf1", 0.1, 2, num_layers, dep.num_experts, seed=1)
         in_service = rebalance_experts(windows_WLE[0], *args)[0]
         cells = []

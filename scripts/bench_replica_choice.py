@@ -36,7 +36,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(args.seed)
     ranks_by_share = torch.arange(1, E + 1, dtype=torch.float64) ** -args.zipf
     shares_LE = torch.stack([ranks_by_share[torch.randperm(E, generator=gen)] for _ in range(args.layers)])
-    phy2log_LR, _, _ = rebalance_experts(shares_LE * 1e6, R, 8, 4, G)
+    phy2log_LR, _, _ = rebalance_experts(shares_LE * 1e6, R, 8, 1, G)  # balance alone, as the figures were taken
     log2phy_LEX, logcnt_LE = build_log2phy(phy2log_LR, E)
     print(f"{E} experts, {R} slots, {G} EP ranks, top-{K}, Zipf s={args.zipf}; {args.batches} batches x "
           f"{args.layers} layers per size")
