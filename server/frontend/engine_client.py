@@ -1,34 +1,51 @@
-"""The front end's side of the engine process: spawns it, sends it messages, routes what comes back.
+"""The front end's side of the engine link: binds it, sends messages, routes what comes back, and
+re-submits the requests in flight when a new engine job attaches.
 
-Sockets live in a private temporary directory (mode 0700): `input` (front end PUSH -> engine PULL) and
-`output` (engine PUSH -> front end PULL); message types are listed in server/frontend/engine_loop.py. Each request
-registers a `Sink` (an asyncio queue shared by the sub-requests of one API call); `call()` sends a
-command and awaits its reply. Any message from the engine counts as a heartbeat; `alive` is false once
-the process has exited or has been silent for `heartbeat_timeout_s`.
+The front end binds a ROUTER socket (message types in server/frontend/engine_loop.py) in one of two ways:
+  - `spawn()`: ipc in a private temporary directory (mode 0700), and it starts the engine process itself
+    (`moe serve MODEL`: the front end in rank 0 of the job);
+  - `listen(address)`: TCP (`moe serve MODEL --frontend-only --frontend-address tcp://HOST:PORT`); engine
+    jobs started on their own (`torchrun ... moe serve MODEL --frontend-address ...`) attach to it, and a
+    job torchrun restarts after losing a rank attaches again. Beyond loopback a shared secret is required.
+An engine says `hello` (with the secret) and, once loaded, `ready`: it is then *attached*, and every
+request still in flight is sent to it again, its prompt followed by the tokens it already produced
+(`num_prior_outputs`), so it continues where it stopped (server/core/request.py). Messages from any other
+peer are dropped. While no engine is attached (none yet, or the attached one silent for
+`heartbeat_timeout_s`), `alive` is False and the API answers 503 with Retry-After; requests in flight wait,
+for at most `reattach_timeout_s`, then fail with 503.
+
+Each request registers a `Sink` (an asyncio queue shared by the sub-requests of one API call); `call()`
+sends a command and awaits its reply.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import itertools
 import logging
 import multiprocessing
 import os
+import secrets
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
 
-from moe_serve.server.frontend.engine_loop import pack, run_engine_process, unpack
-from moe_serve.server.frontend.metrics import Metrics
 from moe_serve.server.core.outputs import EngineOutput
 from moe_serve.server.core.sampling_params import SamplingParams
+from moe_serve.server.frontend.engine_loop import pack, run_engine_process, unpack
+from moe_serve.server.frontend.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+MAX_MESSAGE_BYTES = 1 << 28  # a bound on what an unauthenticated peer can make this process buffer
 
 
 class EngineDeadError(RuntimeError):
@@ -49,9 +66,20 @@ def engine_output(item: dict) -> EngineOutput:
                         item.get("finish"), item.get("stop"), item.get("cached", 0))
 
 
+def check_listen_address(address: str, secret: str | None) -> None:
+    """A TCP address the front end may bind: a shared secret is required beyond loopback."""
+    parts = urlsplit(address)
+    if parts.scheme != "tcp" or not parts.hostname or not parts.port:
+        raise ValueError(f"--frontend-address must look like tcp://HOST:PORT, got {address!r}")
+    if parts.hostname not in LOOPBACK and not secret:
+        raise ValueError(f"--frontend-address {address} listens beyond loopback: set --frontend-secret (or "
+                         "MOE_FRONTEND_SECRET) on the front end and on the engine job")
+
+
 @dataclass
 class Sink:
-    """Where one engine request's outputs go: (index, item) pairs on a queue shared by an API call."""
+    """Where one engine request's outputs go: (index, item) pairs on a queue shared by an API call. It keeps
+    what a re-submission needs: the prompt, the parameters and the tokens produced so far."""
     queue: asyncio.Queue
     index: int
     prompt_len: int
@@ -59,87 +87,134 @@ class Sink:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
+    produced: list[int] = field(default_factory=list)  # output tokens received so far
+    cached: int | None = None  # prompt tokens the first engine served from its prefix cache
 
 
 class EngineClient:
     def __init__(self, engine_kwargs: dict, metrics: Metrics, heartbeat_timeout_s: float = 30.0,
-                 log_level: int = logging.WARNING):
+                 log_level: int = logging.WARNING, secret: str | None = None, reattach_timeout_s: float = 300.0):
         self.engine_kwargs, self.metrics = engine_kwargs, metrics
         self.heartbeat_timeout_s, self.log_level = heartbeat_timeout_s, log_level
+        self.secret, self.reattach_timeout_s = secret, reattach_timeout_s
         self.sinks: dict[str, Sink] = {}
         self.pending: dict[int, asyncio.Future] = {}
         self._nonce = itertools.count()
         self.info: dict = {}
         self.last_message = 0.0
-        self.dead_reason: str | None = None
+        self.dead_reason: str | None = None  # the spawned engine process is gone (it is not restarted)
         self.process = None
+        self.ipc_dir: str | None = None
+        self.engine: bytes | None = None  # the attached engine's routing id
+        self.hellos: dict[bytes, dict] = {}  # peers that gave the secret, by routing id
+        self.generation = 0  # engines attached so far
+        self.detached_since = time.time()  # wall clock, for /health; None while attached
+        self.gave_up = False  # no engine re-attached within reattach_timeout_s
+        self.placement: dict | None = None  # the last placement an engine exported; the next job starts from it
+        self.outages: list[dict] = []  # {lost, attached, resubmitted}: one per re-attachment, for the log and tests
+        self.on_attach: list = []  # callbacks(info), run when an engine attaches (the API sizes itself from it)
+        self._attached: asyncio.Event | None = None
+        self._startup_error: str | None = None
         self._tasks: list[asyncio.Task] = []
 
     # ---- life cycle -------------------------------------------------------------------------------
+    def _bind(self, address: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sock.bind(address)
+        self._attached = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch())]
+
     def spawn(self) -> None:
-        """Bind the sockets and start the engine process (it loads the model meanwhile; see `wait_ready`)."""
+        """Bind an ipc socket and start the engine process (it loads the model meanwhile; see `wait_ready`)."""
         self.ipc_dir = tempfile.mkdtemp(prefix="moe-serve-")
         os.chmod(self.ipc_dir, 0o700)
-        self.ctx = zmq.asyncio.Context()
-        self.input = self.ctx.socket(zmq.PUSH)
-        self.output = self.ctx.socket(zmq.PULL)
-        input_addr, output_addr = f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
-        self.input.bind(input_addr)
-        self.output.bind(output_addr)
+        self.secret = secrets.token_hex(16)
+        address = f"ipc://{self.ipc_dir}/engine"
+        self._bind(address)
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_process, name="moe-engine", daemon=True,
-            args=(self.engine_kwargs, input_addr, output_addr, self.log_level))
+            args=(self.engine_kwargs, address, self.secret, self.log_level))
         self.process.start()
 
+    def listen(self, address: str) -> None:
+        """Bind a TCP socket for engine jobs to attach to (`moe serve --frontend-only`)."""
+        check_listen_address(address, self.secret)
+        self._bind(address)
+        log.warning("front end waiting for engine jobs at %s%s", address,
+                    " (shared secret required)" if self.secret else "")
+
     async def wait_ready(self, timeout_s: float = 3600.0) -> dict:
-        """Wait until the engine process has loaded the model; returns its `ready` info."""
+        """Wait until an engine has loaded the model and attached; returns its `ready` info."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            if await self.output.poll(500):
-                msg = unpack(await self.output.recv())
-                if msg["type"] == "ready":
-                    self.info = msg
-                    break
-                if msg["type"] == "startup_error":
-                    raise RuntimeError(f"the engine failed to start: {msg['message']}")
-            elif not self.process.is_alive():
+        while not self._attached.is_set():
+            if self._startup_error is not None:
+                raise RuntimeError(f"the engine failed to start: {self._startup_error}")
+            if self.process is not None and not self.process.is_alive():
                 raise RuntimeError(f"the engine process exited with code {self.process.exitcode} while starting")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine did not start within {timeout_s:.0f} s")
-        self.last_message = time.monotonic()
-        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch_process())]
+            try:
+                await asyncio.wait_for(self._attached.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
         return self.info
 
     async def close(self) -> None:
-        if self.process is None:
-            return
         for task in self._tasks:
             task.cancel()
-        if self.process is not None and self.process.is_alive():
+        if self._attached is None:
+            return
+        if self.engine is not None and (self.process is None or self.process.is_alive()):
             try:
-                await self.input.send(pack({"type": "shutdown"}))
+                await self.sock.send_multipart([self.engine, pack({"type": "shutdown"})])
             except zmq.ZMQError:
                 pass
+        if self.process is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
             if self.process.is_alive():
                 self.process.kill()
-        self.input.close(linger=0)
-        self.output.close(linger=0)
+        self.sock.close(linger=0)
         self.ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    @property
+    def attached(self) -> bool:
+        return self.engine is not None and self.detached_since is None
 
     @property
     def alive(self) -> bool:
-        return (self.dead_reason is None and self.process is not None and self.process.is_alive()
+        return (self.dead_reason is None and self.attached
+                and (self.process is None or self.process.is_alive())
                 and time.monotonic() - self.last_message < self.heartbeat_timeout_s)
+
+    def why_not_alive(self) -> str:
+        """One line for /health and the 503s."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        since = time.strftime("%H:%M:%S", time.gmtime(self.detached_since or time.time()))
+        if self.gave_up:
+            return (f"no engine attached since {since} UTC and none re-attached within {self.reattach_timeout_s:.0f} s "
+                    "(--reattach-timeout): the engine job's restarts are exhausted or it was stopped; start an "
+                    "engine job with --frontend-address to serve again")
+        if self.generation == 0:
+            return f"no engine attached yet (waiting since {since} UTC for an engine job to attach)"
+        return (f"no engine attached since {since} UTC (the engine job was lost); waiting for the engine job to "
+                f"re-attach; {len(self.sinks)} request(s) in flight will continue then")
 
     # ---- requests ---------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        sink.prompt_token_ids, sink.params = list(prompt_token_ids), params
         self.sinks[request_id] = sink
-        self.input.send(pack({"type": "add", "request_id": request_id, "prompt_token_ids": prompt_token_ids,
-                              "params": dataclasses.asdict(params)}))
+        self._send({"type": "add", "request_id": request_id, "prompt_token_ids": prompt_token_ids,
+                    "params": dataclasses.asdict(params)})
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         """Abort requests still running (finished ones are ignored); their KV blocks are freed. `reason` is the
@@ -153,16 +228,18 @@ class EngineClient:
             if sink.track_metrics:
                 self.metrics.on_finish(sink, reason, now)
         if self.dead_reason is None:
-            self.input.send(pack({"type": "abort", "request_ids": ids}))
+            self._send({"type": "abort", "request_ids": ids})
 
     async def call(self, kind: str, timeout_s: float = 10.0, **kw) -> dict:
         """Send a command (stats, expert_load) and await the engine's reply."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self.engine is None:
+            raise EngineDeadError(self.why_not_alive())
         nonce = next(self._nonce)
         fut = asyncio.get_running_loop().create_future()
         self.pending[nonce] = fut
-        await self.input.send(pack({"type": kind, "nonce": nonce, **kw}))
+        self._send({"type": kind, "nonce": nonce, **kw})
         try:
             reply = await asyncio.wait_for(fut, timeout_s)
         finally:
@@ -171,44 +248,142 @@ class EngineClient:
             raise ValueError(reply["error"])
         return reply["data"]
 
+    def _send(self, msg: dict) -> None:
+        """To the attached engine; without one, nothing is sent (requests wait in `sinks` for the next)."""
+        if self.engine is not None:
+            self.sock.send_multipart([self.engine, pack(msg)])
+
+    def _resubmit(self) -> int:
+        """Send every request in flight to the engine that has just attached, after what it produced."""
+        for rid, sink in self.sinks.items():
+            params = dataclasses.replace(sink.params, prompt_logprobs=None) if sink.produced else sink.params
+            self._send({"type": "add", "request_id": rid, "prompt_token_ids": sink.prompt_token_ids + sink.produced,
+                        "params": dataclasses.asdict(params), "num_prior_outputs": len(sink.produced)})
+        return len(self.sinks)
+
     # ---- what comes back --------------------------------------------------------------------------
     async def _read_loop(self) -> None:
         while True:
-            msg = unpack(await self.output.recv())
-            now = self.last_message = time.monotonic()
-            kind = msg["type"]
-            if kind == "outputs":
-                for item in msg["outputs"]:
-                    sink = self.sinks.get(item["id"])
-                    if sink is None:  # aborted meanwhile
-                        continue
-                    if sink.track_metrics:
-                        self.metrics.on_tokens(sink, len(item["t"]), now)
-                    if "finish" in item:
-                        del self.sinks[item["id"]]
-                        if sink.track_metrics:
-                            self.metrics.on_finish(sink, item["finish"], now)
-                    sink.queue.put_nowait((sink.index, engine_output(item)))
-            elif kind == "error":
-                sink = self.sinks.pop(msg["request_id"], None)
-                if sink is not None:
-                    sink.queue.put_nowait((sink.index, EngineFailure(msg["message"], msg.get("status", 400))))
-            elif kind == "reply":
-                fut = self.pending.get(msg["nonce"])
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            frames = await self.sock.recv_multipart()
+            try:
+                peer, raw = frames
+                msg = unpack(raw)
+                kind = msg["type"]
+            except Exception:  # noqa: BLE001 - malformed: not from an engine of ours
+                log.warning("dropped a malformed message on the engine socket")
+                continue
+            if kind == "hello":
+                self._hello(peer, msg)
+            elif peer not in self.hellos:
+                log.warning("dropped a %r message from a peer that has not given the secret", kind)
+            elif kind == "ready":
+                self._attach(peer, msg)
+            elif kind == "startup_error":
+                log.error("engine job (pid %s) failed to start: %s", self.hellos[peer].get("pid"), msg["message"])
+                self._startup_error = msg["message"]
+            elif peer != self.engine:
+                continue  # a previous engine's last words
+            else:
+                self._on_engine_message(msg)
 
-    async def _watch_process(self) -> None:
-        while self.process.is_alive():
-            await asyncio.sleep(0.5)
-        self._fail_all(f"the engine process exited (code {self.process.exitcode})")
+    def _hello(self, peer: bytes, msg: dict) -> None:
+        given = str(msg.get("secret") or "").encode()
+        if self.secret and not hmac.compare_digest(given, self.secret.encode()):
+            log.warning("rejected an engine (pid %s): wrong or missing shared secret", msg.get("pid"))
+            self.sock.send_multipart([peer, pack({"type": "rejected", "message": "wrong or missing shared secret "
+                                                  "(--frontend-secret / MOE_FRONTEND_SECRET)"})])
+            return
+        self.hellos[peer] = msg
+        log.log(logging.INFO if self.process is not None else logging.WARNING,
+                "engine connected (pid %s, job %r, restart %s); loading", msg.get("pid"), msg.get("job"),
+                msg.get("restart"))
+        self.sock.send_multipart([peer, pack({"type": "welcome", "placement": self.placement})])
+
+    def _attach(self, peer: bytes, info: dict) -> None:
+        lost = self.detached_since
+        if self.engine is not None and self.detached_since is None:
+            lost = time.time()  # the new job was ready before the old one's silence was noticed
+        self.engine, self.info, self.generation = peer, info, self.generation + 1
+        self.detached_since, self.gave_up = None, False
+        self.last_message = time.monotonic()
+        self._fail_pending_calls("the engine job was replaced")
+        n = self._resubmit()
+        for callback in self.on_attach:
+            callback(info)
+        if self.generation > 1:
+            self.outages.append({"lost": lost, "attached": time.time(), "resubmitted": n})
+            log.warning("engine job attached (pid %s, generation %d) %.1f s after the last one was lost; "
+                        "re-submitted %d request(s) in flight", info.get("pid"), self.generation,
+                        time.time() - (lost or time.time()), n)
+        self._attached.set()
+
+    def _on_engine_message(self, msg: dict) -> None:
+        now = self.last_message = time.monotonic()
+        if self.detached_since is not None and not self.gave_up:
+            log.warning("the engine is answering again")
+            self.detached_since = None
+        kind = msg["type"]
+        if kind == "outputs":
+            for item in msg["outputs"]:
+                sink = self.sinks.get(item["id"])
+                if sink is None:  # aborted meanwhile
+                    continue
+                if sink.cached is None:
+                    sink.cached = item.get("cached", 0)
+                item["cached"] = sink.cached  # a re-submission's prompt holds its own outputs: not the client's
+                sink.produced.extend(item["t"])
+                if sink.track_metrics:
+                    self.metrics.on_tokens(sink, len(item["t"]), now)
+                if "finish" in item:
+                    del self.sinks[item["id"]]
+                    if sink.track_metrics:
+                        self.metrics.on_finish(sink, item["finish"], now)
+                sink.queue.put_nowait((sink.index, engine_output(item)))
+        elif kind == "error":
+            sink = self.sinks.pop(msg["request_id"], None)
+            if sink is not None:
+                sink.queue.put_nowait((sink.index, EngineFailure(msg["message"], msg.get("status", 400))))
+        elif kind == "reply":
+            fut = self.pending.get(msg["nonce"])
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif kind == "placement":
+            self.placement = msg["data"]
+
+    async def _watch(self) -> None:
+        """The spawned process's exit fails everything (it is not restarted); an attached engine's silence
+        detaches it; a detachment that outlasts reattach_timeout_s fails the requests in flight."""
+        while True:
+            await asyncio.sleep(0.25)
+            if self.process is not None:
+                if not self.process.is_alive() and self.dead_reason is None and self._attached.is_set():
+                    self._fail_all(f"the engine process exited (code {self.process.exitcode})")
+                continue
+            now = time.monotonic()
+            if self.attached and now - self.last_message > self.heartbeat_timeout_s:
+                self.detached_since = time.time() - (now - self.last_message)
+                log.error("the engine job is silent for %.0f s: detached; %d request(s) in flight wait for the "
+                          "next job", self.heartbeat_timeout_s, len(self.sinks))
+                self._fail_pending_calls("the engine job was lost")
+            if (self.detached_since is not None and self.generation > 0 and not self.gave_up
+                    and time.time() - self.detached_since > self.reattach_timeout_s):
+                self.gave_up = True
+                reason = self.why_not_alive()
+                log.error("%s; failing %d request(s)", reason, len(self.sinks))
+                self._fail_requests(reason)
+
+    def _fail_pending_calls(self, reason: str) -> None:
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+
+    def _fail_requests(self, reason: str) -> None:
+        for sink in self.sinks.values():
+            sink.queue.put_nowait((sink.index, EngineFailure(reason, 503)))
+        self.sinks.clear()
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
         log.error("%s; failing %d requests", reason, len(self.sinks))
-        for sink in self.sinks.values():
-            sink.queue.put_nowait((sink.index, EngineFailure(reason, 503)))
-        self.sinks.clear()
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(EngineDeadError(reason))
+        self._fail_requests(reason)
+        self._fail_pending_calls(reason)
