@@ -10,8 +10,8 @@ The front end binds a ROUTER socket (message types in server/frontend/engine_loo
 An engine says `hello` (with the secret) and, once loaded, `ready`: it is then *attached*, and every
 request still in flight is sent to it again, its prompt followed by the tokens it already produced
 (`num_prior_outputs`), so it continues where it stopped (server/core/request.py). Messages from any other
-peer are dropped. While no engine is attached (none yet, or the attached one silent for
-`heartbeat_timeout_s`), `alive` is False and the API answers 503 with Retry-After; requests in flight wait,
+peer are dropped. While no engine is attached (none yet, the attached one's connection closed, or it has
+been silent for `heartbeat_timeout_s`), `alive` is False and the API answers 503 with Retry-After; requests in flight wait,
 for at most `reattach_timeout_s`, then fail with 503.
 
 Each request registers a `Sink` (an asyncio queue shared by the sub-requests of one API call); `call()`
@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from moe_serve.server.core.outputs import EngineOutput
 from moe_serve.server.core.sampling_params import SamplingParams
@@ -108,6 +109,7 @@ class EngineClient:
         self.process = None
         self.ipc_dir: str | None = None
         self.engine: bytes | None = None  # the attached engine's routing id
+        self.engine_fd: int | None = None  # and the file descriptor of its connection (to notice it close)
         self.hellos: dict[bytes, dict] = {}  # peers that gave the secret, by routing id
         self.generation = 0  # engines attached so far
         self.detached_since = time.time()  # wall clock, for /health; None while attached
@@ -127,7 +129,9 @@ class EngineClient:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sock.bind(address)
         self._attached = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch())]
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch()),
+                       asyncio.create_task(self._watch_connection())]
 
     def spawn(self) -> None:
         """Bind an ipc socket and start the engine process (it loads the model meanwhile; see `wait_ready`)."""
@@ -178,6 +182,8 @@ class EngineClient:
             await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
             if self.process.is_alive():
                 self.process.kill()
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=0)
         self.ctx.term()
         if self.ipc_dir is not None:
@@ -264,10 +270,11 @@ class EngineClient:
     # ---- what comes back --------------------------------------------------------------------------
     async def _read_loop(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
+            frames = await self.sock.recv_multipart(copy=False)
             try:
                 peer, raw = frames
-                msg = unpack(raw)
+                fd = raw.get(zmq.SRCFD)
+                peer, msg = peer.bytes, unpack(raw.bytes)
                 kind = msg["type"]
             except Exception:  # noqa: BLE001 - malformed: not from an engine of ours
                 log.warning("dropped a malformed message on the engine socket")
@@ -278,6 +285,7 @@ class EngineClient:
                 log.warning("dropped a %r message from a peer that has not given the secret", kind)
             elif kind == "ready":
                 self._attach(peer, msg)
+                self.engine_fd = fd
             elif kind == "startup_error":
                 log.error("engine job (pid %s) failed to start: %s", self.hellos[peer].get("pid"), msg["message"])
                 self._startup_error = msg["message"]
@@ -361,16 +369,28 @@ class EngineClient:
                 continue
             now = time.monotonic()
             if self.attached and now - self.last_message > self.heartbeat_timeout_s:
-                self.detached_since = time.time() - (now - self.last_message)
-                log.error("the engine job is silent for %.0f s: detached; %d request(s) in flight wait for the "
-                          "next job", self.heartbeat_timeout_s, len(self.sinks))
-                self._fail_pending_calls("the engine job was lost")
+                self._detach(f"the engine job is silent for {self.heartbeat_timeout_s:.0f} s",
+                             time.time() - (now - self.last_message))
             if (self.detached_since is not None and self.generation > 0 and not self.gave_up
                     and time.time() - self.detached_since > self.reattach_timeout_s):
                 self.gave_up = True
                 reason = self.why_not_alive()
                 log.error("%s; failing %d request(s)", reason, len(self.sinks))
                 self._fail_requests(reason)
+
+    async def _watch_connection(self) -> None:
+        """The attached engine's connection closing (its process ended) detaches it at once."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and event["value"] == self.engine_fd and self.attached:
+                self._detach("the engine job's connection closed", time.time())
+                self.engine = None  # gone for good: what it still had queued is dropped
+
+    def _detach(self, why: str, since: float) -> None:
+        self.detached_since = since
+        log.error("%s: detached; %d request(s) in flight wait for the next job (at most %.0f s)", why,
+                  len(self.sinks), self.reattach_timeout_s)
+        self._fail_pending_calls("the engine job was lost")
 
     def _fail_pending_calls(self, reason: str) -> None:
         for fut in self.pending.values():
