@@ -22,9 +22,9 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, who: str = "rank 0") -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s [rank 0] %(name)s: %(message)s", datefmt="%H:%M:%S")
+                        format=f"%(asctime)s [{who}] %(name)s: %(message)s", datefmt="%H:%M:%S", force=True)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -112,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if world > 1 and int(os.environ["RANK"]) != 0:
         from moe_serve.server.frontend.engine_loop import run_follower
 
-        _setup_logging(args.verbose)
+        _setup_logging(args.verbose, f"rank {os.environ['RANK']}")
         run_follower(kwargs)  # rank 0 runs the front end; its engine process is rank 0 of the job
         return 0
     if args.frontend_address:  # an engine job for a front end running on its own: rank 0 attaches to it
@@ -149,6 +149,7 @@ def _serve_frontend_only(args: argparse.Namespace, kwargs: dict, secret: str | N
     if not args.frontend_address:
         raise ValueError("--frontend-only needs --frontend-address tcp://HOST:PORT for engine jobs to attach to")
     check_listen_address(args.frontend_address, secret)
+    _setup_logging(args.verbose, "front end")  # not a rank of any job
     if args.reattach_timeout <= 0:
         raise ValueError(f"--reattach-timeout must be > 0 seconds, got {args.reattach_timeout}")
     print(f"moe serve: front end for {args.model} on http://{args.host}:{args.port}; engine jobs attach at "

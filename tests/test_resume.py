@@ -1,8 +1,10 @@
 """A request re-submitted after a lost engine job (its outputs so far appended to the prompt, `num_prior_outputs`
 = how many) goes on exactly as it would have: the same tokens, greedy and seeded, the same length and the same
-stop; a seeded draw depends on (seed, output index) only."""
+stop; a seeded draw depends on (seed, output index) only. Meanwhile a stream gets keep-alive comments."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -56,3 +58,32 @@ def test_draw_seed_mixes_seed_and_index():
 def test_prior_outputs_must_leave_a_prompt():
     with pytest.raises(ValueError, match=r"num_prior_outputs must be in \[0, 3\)"):
         Request("r", [1, 2, 3], SamplingParams(), num_prior_outputs=3)
+
+
+def test_stream_keeps_alive_while_no_engine_is_attached():
+    from moe_serve.server.frontend.protocol import APIError
+    from moe_serve.server.frontend.serving import OpenAIServing
+
+    class Client:
+        alive = False
+
+    serving = OpenAIServing(Client(), None, ["m"], 64, 100)
+    serving.KEEP_ALIVE_S = 0.05
+
+    async def chunks(fail: bool):
+        yield "data: 1\n\n"
+        await asyncio.sleep(0.3)  # the outage
+        if fail:
+            raise APIError("the engine job did not re-attach", status=503)
+        yield "data: 2\n\n"
+
+    async def collect(fail: bool) -> list[str]:
+        return [c async for c in serving._keep_alive(chunks(fail))]
+
+    got = asyncio.run(collect(False))
+    assert got[0] == "data: 1\n\n" and got[-1] == "data: 2\n\n"
+    assert 3 <= got.count(": waiting for the engine job to re-attach\n\n") == len(got) - 2
+    got = asyncio.run(collect(True))
+    assert '"code": 503' in got[-2] and got[-1] == "data: [DONE]\n\n"
+    Client.alive = True  # an engine attached but slow: no comments
+    assert asyncio.run(collect(False)) == ["data: 1\n\n", "data: 2\n\n"]

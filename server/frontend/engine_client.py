@@ -115,7 +115,6 @@ class EngineClient:
         self.detached_since = time.time()  # wall clock, for /health; None while attached
         self.gave_up = False  # no engine re-attached within reattach_timeout_s
         self.placement: dict | None = None  # the last placement an engine exported; the next job starts from it
-        self.outages: list[dict] = []  # {lost, attached, resubmitted}: one per re-attachment, for the log and tests
         self.on_attach: list = []  # callbacks(info), run when an engine attaches (the API sizes itself from it)
         self._attached: asyncio.Event | None = None
         self._startup_error: str | None = None
@@ -308,9 +307,13 @@ class EngineClient:
         self.sock.send_multipart([peer, pack({"type": "welcome", "placement": self.placement})])
 
     def _attach(self, peer: bytes, info: dict) -> None:
+        """A loaded engine takes over: the requests in flight go to it (and a previous engine still connected,
+        e.g. a second job started by mistake, is told to shut down: one engine serves at a time)."""
         lost = self.detached_since
-        if self.engine is not None and self.detached_since is None:
-            lost = time.time()  # the new job was ready before the old one's silence was noticed
+        if self.engine is not None and self.engine != peer:
+            self.sock.send_multipart([self.engine, pack({"type": "shutdown"})])
+            if self.detached_since is None:
+                lost = time.time()  # the new job was ready before the old one's loss was noticed
         self.engine, self.info, self.generation = peer, info, self.generation + 1
         self.detached_since, self.gave_up = None, False
         self.last_message = time.monotonic()
@@ -319,7 +322,6 @@ class EngineClient:
         for callback in self.on_attach:
             callback(info)
         if self.generation > 1:
-            self.outages.append({"lost": lost, "attached": time.time(), "resubmitted": n})
             log.warning("engine job attached (pid %s, generation %d) %.1f s after the last one was lost; "
                         "re-submitted %d request(s) in flight", info.get("pid"), self.generation,
                         time.time() - (lost or time.time()), n)
