@@ -27,9 +27,10 @@ from moe_serve.parallel.launch import kill_job
 
 pytestmark = pytest.mark.slow
 SECRET = "test-secret-19"
-REATTACH_S = 15.0
-JOB_FLAGS = ["--dtype", "float32", "-dp", "2", "--enable-expert-parallel", "--collective-timeout", "5",
-             "--num-redundant-experts", "2", "--enable-eplb", "--eplb-config", '{"interval": 64, "plan_steps": 0, "layers_per_step": 3}']
+REATTACH_S = 20.0  # longer than a restart takes on a loaded 2-core machine (3-10 s)
+JOB_FLAGS = ["--dtype", "float32", "--kernel-backend", "torch", "-dp", "2", "--enable-expert-parallel",
+             "--collective-timeout", "5", "--num-redundant-experts", "2", "--enable-eplb",
+             "--eplb-config", '{"interval": 64, "plan_steps": 0, "layers_per_step": 3}']
 REQUESTS = [  # (body, stream): greedy and seeded, streaming and not, n=2
     ({"prompt": "Once upon a time", "temperature": 0}, True),
     ({"prompt": "The expert router", "temperature": 0}, False),
@@ -209,9 +210,9 @@ def test_a_lost_rank_loses_no_request_when_the_next_job_attaches(env):
 def test_a_lost_rank_under_torchrun_restarts(env):
     """torchrun --max-restarts 1 starts the job again; it resumes the placement exported before. Losing a rank
     again exhausts the restarts: in-flight requests fail with 503 after --reattach-timeout, nothing hangs."""
+    generation = json.loads(env.server.get("/health")[1])["engine_generation"]  # (503 once the job below ends)
     for proc, master_port in env.jobs:
         kill_job(master_port, grace_s=2)
-    generation = json.loads(env.server.get("/health")[1])["engine_generation"]
     proc, master_port = env.start_job(max_restarts=1)
     env.wait_attached(generation + 1)
     initial = json.loads(env.server.get("/v1/expert_load")[1])["placement"]["phy2log"]

@@ -31,14 +31,13 @@ def run(engine: EngineCore, prompt: list[int], params: SamplingParams, rid: str,
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    return EngineCore(EngineConfig(model=checkpoint("v3"), dtype="float32"))
+    return EngineCore(EngineConfig(model=checkpoint("v3"), dtype="float32", kernel_backend="torch"))
 
 
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
     SamplingParams(max_tokens=8, temperature=0.9, top_p=0.8, top_k=20, seed=123, min_tokens=6),
-], ids=["greedy", "seeded", "seeded-min-tokens"])
+], ids=["greedy", "seeded-min-tokens"])
 def test_resubmission_continues_the_same_tokens(engine, params):
     full, finish = run(engine, PROMPT, params, f"whole-{params.seed}")
     assert finish in ("length", "stop") and len(full) <= 8
