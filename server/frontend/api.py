@@ -147,8 +147,9 @@ def build_app(args: ServerArgs) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
 
     def serving() -> OpenAIServing:
-        if state["serving"] is None:
+        if state["serving"] is None:  # no engine yet, or the first one attached while the tokenizer loads
             client()
+            raise APIError("starting up", status=503, headers={"Retry-After": str(RETRY_AFTER_DETACHED_S)})
         return state["serving"]
 
     def client() -> EngineClient:
