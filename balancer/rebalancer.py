@@ -145,10 +145,12 @@ class Rebalancer:
         self._apply(len(self.pending))
         return self.slots_moved - moved_before
 
-    def move_to(self, placement: dict) -> int:
+    def move_to(self, placement: dict, count_load: bool = False) -> int:
         """Between steps, on every rank alike: move to a placement another job exported (the placement
         file's JSON, balancer/placement_file.py): its phy2log when the layers and slot count match, else a
-        plan from its recorded load. Returns how many slots loaded weights (0 when it does not fit)."""
+        plan from its recorded load. With `count_load` the exported load also enters this rank's window (the
+        caller picks the ranks, so the job counts it once per data-parallel replica of the tokens). Returns
+        how many slots loaded weights (0 when it does not fit)."""
         if list(placement.get("layer_ids") or []) != self.layers:
             log.warning("eplb: the exported placement covers layers %s, this job %s; not restored",
                         placement.get("layer_ids"), self.layers)
@@ -165,6 +167,10 @@ class Rebalancer:
                         if not torch.equal(phy2log_LR[j], current_LR[j])]
         moved_before = self.slots_moved
         self._apply(len(self.pending))
+        if count_load and placement.get("logical_counts") is not None:
+            physical = placement.get("physical_counts")
+            self.recorder.seed_window(torch.tensor(placement["logical_counts"], dtype=torch.float64),
+                                      None if physical is None else torch.tensor(physical, dtype=torch.float64))
         return self.slots_moved - moved_before
 
     def _apply(self, num_layers: int) -> None:

@@ -132,8 +132,8 @@ def run_follower(engine_kwargs: dict) -> None:
 
 
 def start_from_placement(engine, placement: dict | None) -> None:
-    """Every rank, after loading: move to the placement a previous job exported (the front end's welcome
-    carries it to the leader, which broadcasts it), so a restarted job keeps the learned placement."""
+    """Every rank, after loading: move to the placement a previous job exported and count its load (the front
+    end's welcome carries both to the leader, which broadcasts them), so a restarted job keeps what it learnt."""
     state = engine.parallel
     if state.cpu.size > 1:
         placement = comm.broadcast_object(placement, state.cpu, src=0)
@@ -142,9 +142,10 @@ def start_from_placement(engine, placement: dict | None) -> None:
     if state.config.pipeline_parallel_size > 1:
         log.warning("a previous job's expert placement is not restored with pipeline parallelism")
         return
-    moved = engine.rebalancer.move_to(placement)
+    # the exported load was summed over the DP ranks: the ranks of DP group 0 count it, the others add nothing
+    moved = engine.rebalancer.move_to(placement, count_load=state.dp.index == 0)
     if state.rank == 0:
-        log.info("started from the previous job's expert placement (%d slots loaded)", moved)
+        log.info("started from the previous job's expert placement (%d slots loaded) and load", moved)
 
 
 class EngineLoop:
