@@ -141,7 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve_frontend_only(args: argparse.Namespace, kwargs: dict, secret: str | None, world: int) -> int:
     """`moe serve MODEL --frontend-only --frontend-address tcp://HOST:PORT`: HTTP here, engines attach."""
     from moe_serve.server.frontend.api import ServerArgs, run_server
-    from moe_serve.server.frontend.engine_client import check_listen_address
+    from moe_serve.server.frontend.engine_link import check_listen_address
 
     if world > 1:
         raise ValueError("--frontend-only runs one process, not under torchrun; start the engine job under torchrun "

@@ -50,7 +50,7 @@ def test_wire_formats_are_msgpack():
 
 
 def test_zmq_sockets_in_a_private_directory(monkeypatch):
-    from moe_serve.server.frontend import engine_client
+    from moe_serve.server.frontend import engine_client, engine_link
     from moe_serve.server.frontend.metrics import Metrics
 
     class NoProcess:
@@ -69,7 +69,7 @@ def test_zmq_sockets_in_a_private_directory(monkeypatch):
     class Ctx:
         Process = NoProcess
 
-    monkeypatch.setattr(engine_client.multiprocessing, "get_context", lambda kind: Ctx)
+    monkeypatch.setattr(engine_link.multiprocessing, "get_context", lambda kind: Ctx)
 
     async def check():
         client = engine_client.EngineClient({"model": "unused"}, Metrics())
@@ -89,7 +89,7 @@ def test_zmq_sockets_in_a_private_directory(monkeypatch):
 
 def test_frontend_beyond_loopback_needs_a_secret(capsys):
     from moe_serve.server.cli import main
-    from moe_serve.server.frontend.engine_client import check_listen_address
+    from moe_serve.server.frontend.engine_link import check_listen_address
 
     check_listen_address("tcp://127.0.0.1:5555", None)
     check_listen_address("tcp://0.0.0.0:5555", "s3cret")

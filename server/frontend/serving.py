@@ -184,7 +184,7 @@ class OpenAIServing:
 
     async def _keep_alive(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:
         """The stream's chunks; an APIError becomes an error chunk and [DONE]. While no engine is attached (its
-        job lost, the next one starting: engine_client.py), an SSE comment every KEEP_ALIVE_S keeps the stream
+        job lost, the next one starting: engine_link.py), an SSE comment every KEEP_ALIVE_S keeps the stream
         open through proxies and client read timeouts; clients ignore comments."""
         it = gen.__aiter__()
         pending = asyncio.ensure_future(it.__anext__())
