@@ -161,6 +161,34 @@ class Rebalancer:
         self._apply(len(self.pending))
         return self.slots_moved - moved_before
 
+    def move_to(self, placement: dict, count_load: bool = False) -> int:
+        """Between steps, on every rank alike: move to a placement another job exported (the placement
+        file's JSON, balancer/placement_file.py): its phy2log when the layers and slot count match, else a
+        plan from its recorded load. With `count_load` the exported load also enters this rank's window (the
+        caller picks the ranks, so the job counts it once per data-parallel replica of the tokens). Returns
+        how many slots loaded weights (0 when it does not fit)."""
+        if list(placement.get("layer_ids") or []) != self.layers:
+            log.warning("eplb: the exported placement covers layers %s, this job %s; not restored",
+                        placement.get("layer_ids"), self.layers)
+            return 0
+        current_LR = self.current_placement()
+        phy2log_LR = torch.tensor(placement["placement"]["phy2log"], dtype=torch.long)
+        if phy2log_LR.shape != current_LR.shape:
+            if placement.get("logical_counts") is None:
+                return 0
+            load_LE = torch.tensor(placement["logical_counts"], dtype=torch.float64)
+            phy2log_LR, _, _ = rebalance_experts(load_LE, current_LR.shape[1], self.num_groups, 1, self.ep_size)
+        self._planning = None
+        self.pending = [(layer, phy2log_LR[j].tolist()) for j, layer in enumerate(self.layers)
+                        if not torch.equal(phy2log_LR[j], current_LR[j])]
+        moved_before = self.slots_moved
+        self._apply(len(self.pending))
+        if count_load and placement.get("logical_counts") is not None:
+            physical = placement.get("physical_counts")
+            self.recorder.seed_window(torch.tensor(placement["logical_counts"], dtype=torch.float64),
+                                      None if physical is None else torch.tensor(physical, dtype=torch.float64))
+        return self.slots_moved - moved_before
+
     def _apply(self, num_layers: int) -> None:
         for layer, phy2log_R in self.pending[:num_layers]:
             self.slots_moved += self.blocks[layer].relocate_experts(phy2log_R)

@@ -167,6 +167,17 @@ class ExpertLoadRecorder:
         self.steps_total += 1
         self.steps_recorded += int(self.recording)
 
+    def seed_window(self, logical_LE: torch.Tensor, physical_LR: torch.Tensor | None = None) -> None:
+        """Between steps: count a load recorded elsewhere (the window a previous job exported) as the oldest
+        step of the window, so it ages out after `window_steps` steps of this job. physical_LR: its counts per
+        slot, for the current placement (not taken when the slot count differs)."""
+        if tuple(logical_LE.shape) != (self.num_layers, self.num_experts):
+            raise ValueError(f"load must be [{self.num_layers}, {self.num_experts}], got {tuple(logical_LE.shape)}")
+        row = (self._pos - 1) % self.window_steps  # the row written last: overwritten after window_steps steps
+        self._ring_WLE[row] += logical_LE.round().long().to(self.device)
+        if physical_LR is not None and tuple(physical_LR.shape) == (self.num_layers, self.num_slots):
+            self._ring_WLR[row] += physical_LR.round().long().to(self.device)
+
     def discard_step(self) -> None:
         """Close a step that must not count (a dummy batch of a DP rank with no work): its counts are dropped and
         the window keeps its real steps."""

@@ -164,10 +164,14 @@ def init_parallel(
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(host, port, world_size, is_master=(rank == 0 and not agent_store),
                           timeout=timedelta(seconds=max(300.0, config.collective_timeout_s)), multi_tenant=True)
+    # torchrun --max-restarts starts the job again on the same store: each attempt keeps its own keys, or the
+    # new ranks would read the lost ones' addresses (gloo's mesh, the watchdog's heartbeats)
+    prefix = f"moe_serve/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store = dist.PrefixStore(prefix, store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     atexit.register(comm.drain)  # before the interpreter finalises: see parallel/comm.py
     watchdog = Watchdog(rank, host, port, config.collective_timeout_s, heartbeat_interval_s,
-                        store_host_rank=None if agent_store else 0, world_size=world_size).start()
+                        store_host_rank=None if agent_store else 0, world_size=world_size, key_prefix=prefix).start()
 
     per_node = config.ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % per_node:

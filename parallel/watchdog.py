@@ -68,10 +68,12 @@ def _serve_liveness(srv: socket.socket) -> None:
 
 class Watchdog:
     def __init__(self, rank: int, host: str, port: int, timeout_s: float, interval_s: float = 1.0,
-                 store_host_rank: int | None = 0, world_size: int = 1):
+                 store_host_rank: int | None = 0, world_size: int = 1, key_prefix: str = ""):
         """host, port: the job's TCPStore. store_host_rank: the rank whose process hosts that store (0
-        without torchrun's agent store, None when the launcher hosts it)."""
+        without torchrun's agent store, None when the launcher hosts it). key_prefix: this attempt's keys
+        (torchrun restarts a job on the same store: the last attempt's heartbeats must not count)."""
         self.rank, self.host, self.port, self.store_host_rank = rank, host, port, store_host_rank
+        self.key_prefix = key_prefix
         self.world_size = world_size
         self.timeout_s, self.interval_s = float(timeout_s), float(interval_s)
         self.stale_after_s = 3 * self.interval_s
@@ -82,8 +84,9 @@ class Watchdog:
         self._reader_store: dist.TCPStore | None = None
         self._liveness: dict[int, tuple[str, int]] = {}  # rank -> (ip, port), read once at start-up
 
-    def _client(self, timeout_s: float) -> dist.TCPStore:
-        return dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    def _client(self, timeout_s: float) -> dist.Store:
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return dist.PrefixStore(self.key_prefix, store) if self.key_prefix else store
 
     # ---- start-up: heartbeat thread, liveness socket ---------------------------------------------
     def start(self) -> "Watchdog":

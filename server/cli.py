@@ -22,9 +22,9 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, who: str = "rank 0") -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s [rank 0] %(name)s: %(message)s", datefmt="%H:%M:%S")
+                        format=f"%(asctime)s [{who}] %(name)s: %(message)s", datefmt="%H:%M:%S", force=True)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -98,10 +98,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   eplb_layers_per_step=eplb.get("layers_per_step", 1), eplb_min_gain=eplb.get("min_gain", 0.01),
                   eplb_plan_steps=eplb.get("plan_steps", 2),
                   num_redundant_experts=eplb.get("num_redundant_experts", args.num_redundant_experts),
-                  expert_placement=args.expert_placement)
+                  expert_placement=args.expert_placement, collective_timeout_s=args.collective_timeout)
     EngineConfig(**kwargs)  # bad flags fail here, with one line, before any process starts
     ModelConfig.from_dir(args.model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    secret = args.frontend_secret or os.environ.get("MOE_FRONTEND_SECRET") or None
+    if args.frontend_only:
+        return _serve_frontend_only(args, kwargs, secret, world)
     if world != EngineConfig(**kwargs).parallel_config().world_size:
         raise ValueError(f"the layout -pp {args.pipeline_parallel_size} x -dp {args.data_parallel_size} x "
                          f"-tp {args.tensor_parallel_size} needs that many ranks; launch with "
@@ -109,8 +112,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if world > 1 and int(os.environ["RANK"]) != 0:
         from moe_serve.server.frontend.engine_loop import run_follower
 
-        _setup_logging(args.verbose)
+        _setup_logging(args.verbose, f"rank {os.environ['RANK']}")
         run_follower(kwargs)  # rank 0 runs the front end; its engine process is rank 0 of the job
+        return 0
+    if args.frontend_address:  # an engine job for a front end running on its own: rank 0 attaches to it
+        from moe_serve.server.frontend.engine_loop import run_engine_process
+
+        level = logging.INFO if args.verbose else logging.WARNING
+        print(f"moe serve: engine job of {world} rank(s) attaching to the front end at {args.frontend_address}",
+              file=sys.stderr, flush=True)
+        run_engine_process(kwargs, args.frontend_address, secret, level, log_tag="rank 0")
         return 0
 
     from moe_serve.server.frontend.api import ServerArgs, run_server
@@ -121,7 +132,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     run_server(ServerArgs(engine_kwargs=kwargs, served_model_names=args.served_model_name or [],
-                          api_key=args.api_key, log_level=level, max_waiting_requests=args.max_waiting_requests),
+                          api_key=args.api_key, log_level=level, max_waiting_requests=args.max_waiting_requests,
+                          heartbeat_timeout_s=args.engine_heartbeat_timeout),
+               args.host, args.port)
+    return 0
+
+
+def _serve_frontend_only(args: argparse.Namespace, kwargs: dict, secret: str | None, world: int) -> int:
+    """`moe serve MODEL --frontend-only --frontend-address tcp://HOST:PORT`: HTTP here, engines attach."""
+    from moe_serve.server.frontend.api import ServerArgs, run_server
+    from moe_serve.server.frontend.engine_link import check_listen_address
+
+    if world > 1:
+        raise ValueError("--frontend-only runs one process, not under torchrun; start the engine job under torchrun "
+                         "with --frontend-address instead")
+    if not args.frontend_address:
+        raise ValueError("--frontend-only needs --frontend-address tcp://HOST:PORT for engine jobs to attach to")
+    check_listen_address(args.frontend_address, secret)
+    _setup_logging(args.verbose, "front end")  # not a rank of any job
+    if args.reattach_timeout <= 0:
+        raise ValueError(f"--reattach-timeout must be > 0 seconds, got {args.reattach_timeout}")
+    print(f"moe serve: front end for {args.model} on http://{args.host}:{args.port}; engine jobs attach at "
+          f"{args.frontend_address}", file=sys.stderr, flush=True)
+    run_server(ServerArgs(engine_kwargs=kwargs, served_model_names=args.served_model_name or [],
+                          api_key=args.api_key, log_level=logging.INFO if args.verbose else logging.WARNING,
+                          max_waiting_requests=args.max_waiting_requests,
+                          heartbeat_timeout_s=args.engine_heartbeat_timeout, frontend_address=args.frontend_address,
+                          frontend_secret=secret, reattach_timeout_s=args.reattach_timeout),
                args.host, args.port)
     return 0
 
@@ -197,6 +234,22 @@ def build_parser() -> argparse.ArgumentParser:
                         '"min_gain": balancedness gain a re-plan must bring (default 0.01)}')
     s.add_argument("--num-redundant-experts", type=int, default=0, help="extra expert slots per MoE layer (needs EP)")
     s.add_argument("--expert-placement", default=None, help="start from this placement file or load dump (JSON)")
+    s.add_argument("--collective-timeout", type=float, default=60.0,
+                   help="seconds a collective may take before the job ends naming the lost rank(s)")
+    s.add_argument("--frontend-only", action="store_true",
+                   help="run the HTTP front end alone; engine jobs (torchrun ... serve --frontend-address) attach "
+                        "to it, and one restarted after losing a rank attaches again (docs/reliability.md)")
+    s.add_argument("--frontend-address", default=None,
+                   help="tcp://HOST:PORT: with --frontend-only, where the front end listens for engine jobs "
+                        "(loopback unless a secret is set); without it, the front end this engine job attaches to")
+    s.add_argument("--frontend-secret", default=None,
+                   help="shared secret an engine job presents to the front end (default: $MOE_FRONTEND_SECRET); "
+                        "required when the front end listens beyond loopback")
+    s.add_argument("--reattach-timeout", type=float, default=300.0,
+                   help="--frontend-only: seconds without an engine attached after which requests in flight fail "
+                        "with 503 (the engine job's restarts are taken to be exhausted)")
+    s.add_argument("--engine-heartbeat-timeout", type=float, default=30.0,
+                   help="seconds of silence after which the engine counts as lost (/health 503)")
     s.add_argument("--expert-load-window", type=int, default=1000,
                    help="engine steps the expert-load window holds (GET /v1/expert_load, moe_expert_balancedness)")
     _add_engine_flags(s)

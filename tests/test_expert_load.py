@@ -119,6 +119,40 @@ def test_periodic_plan_runs_in_the_background_and_lands_on_a_fixed_step():
         EplbConfig(plan_steps=-1)
 
 
+def test_a_restarted_job_moves_to_the_exported_placement_and_counts_its_load():
+    """Rebalancer.move_to with a previous job's export (as GET /v1/expert_load writes it): the blocks move to its
+    phy2log, the window holds its load until window_steps steps of this job have passed; a different slot
+    count plans from the load instead; other layers are left alone."""
+    from moe_serve.balancer.rebalancer import EplbConfig, Rebalancer
+
+    def job(num_slots: int):
+        blocks = {1: _Block(num_slots), 2: _Block(num_slots)}
+        rec = ExpertLoadRecorder(2, 8, window_steps=3, ep_size=2, layer_ids=[1, 2],
+                                 phy2log_LR=torch.tensor([[e % 8 for e in b.phy2log_R] for b in blocks.values()]))
+        for b in blocks.values():
+            b.phy2log_R = [e % 8 for e in b.phy2log_R]
+        return Rebalancer(EplbConfig(window=3), blocks, rec, None, 1), blocks, rec
+
+    load = [[9, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 9]]
+    exported = {"layer_ids": [1, 2], "logical_counts": load,
+                "placement": {"phy2log": [[7, 6, 5, 4, 3, 2, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7]]}}
+    reb, blocks, rec = job(8)
+    assert reb.move_to(exported, count_load=True) == 8  # layer 1 reversed: every slot loads; layer 2 unchanged
+    assert [b.phy2log_R for b in blocks.values()] == exported["placement"]["phy2log"]
+    assert rec.phy2log_LR.tolist() == exported["placement"]["phy2log"]
+    assert rec.snapshot().window_LE.tolist() == load
+    for step in range(3):
+        rec.record(0, torch.tensor([[0]]))
+        rec.end_step()
+        assert (rec.snapshot().window_LE.sum().item() > 3) == (step < 2)  # the export ages out after 3 steps
+    reb, blocks, rec = job(10)  # two redundant slots: the export's 8-slot phy2log does not fit, its load plans
+    reb.move_to(exported)
+    assert all(sorted(set(b.phy2log_R)) == list(range(8)) for b in blocks.values())
+    assert blocks[1].phy2log_R.count(0) > 1 and blocks[2].phy2log_R.count(7) > 1  # the hot experts replicated
+    assert rec.snapshot().window_LE.sum() == 0  # count_load False: this rank adds nothing
+    assert job(8)[0].move_to({**exported, "layer_ids": [0, 1]}) == 0
+
+
 def test_record_session():
     rec = ExpertLoadRecorder(1, 2, window_steps=8)
     rec.record(0, torch.tensor([[0]]))

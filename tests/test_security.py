@@ -1,5 +1,6 @@
 """Security properties as tests: nothing a client or a peer rank sends is unpickled or evaluated; the
-engine's ZMQ sockets live in a private (0700) directory; the API key is compared in constant time; the
+engine's ZMQ sockets live in a private (0700) directory, and an engine attaching over TCP must give the shared
+secret (required beyond loopback); the API key is compared in constant time; the
 server binds to 127.0.0.1 unless --host says otherwise."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import asyncio
 import re
 import stat
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("server", "parallel", "balancer", "experts", "moe", "kernels")
@@ -47,7 +50,7 @@ def test_wire_formats_are_msgpack():
 
 
 def test_zmq_sockets_in_a_private_directory(monkeypatch):
-    from moe_serve.server.frontend import engine_client
+    from moe_serve.server.frontend import engine_client, engine_link
     from moe_serve.server.frontend.metrics import Metrics
 
     class NoProcess:
@@ -57,25 +60,87 @@ def test_zmq_sockets_in_a_private_directory(monkeypatch):
         def start(self):
             pass
 
+        def is_alive(self):
+            return False
+
+        def join(self, timeout=None):
+            pass
+
     class Ctx:
         Process = NoProcess
 
-    monkeypatch.setattr(engine_client.multiprocessing, "get_context", lambda kind: Ctx)
-    client = engine_client.EngineClient({"model": "unused"}, Metrics())
-    client.spawn()
-    try:
-        mode = Path(client.ipc_dir).stat()
-        assert stat.S_IMODE(mode.st_mode) == 0o700
-        _, input_addr, output_addr, _ = client.process.args
-        for addr in (input_addr, output_addr):
-            assert addr.startswith("ipc://") and Path(addr.removeprefix("ipc://")).parent == Path(client.ipc_dir)
-    finally:
-        client.input.close(linger=0)
-        client.output.close(linger=0)
-        client.ctx.term()
-        import shutil
+    monkeypatch.setattr(engine_link.multiprocessing, "get_context", lambda kind: Ctx)
 
-        shutil.rmtree(client.ipc_dir, ignore_errors=True)
+    async def check():
+        client = engine_client.EngineClient({"model": "unused"}, Metrics())
+        client.spawn()
+        try:
+            mode = Path(client.ipc_dir).stat()
+            assert stat.S_IMODE(mode.st_mode) == 0o700
+            _, address, secret, _ = client.process.args
+            assert address.startswith("ipc://") and Path(address.removeprefix("ipc://")).parent == Path(client.ipc_dir)
+            assert len(secret) >= 32  # even the spawned engine says hello with a secret
+        finally:
+            await client.close()
+        assert not Path(client.ipc_dir).exists()
+
+    asyncio.run(check())
+
+
+def test_frontend_beyond_loopback_needs_a_secret(capsys):
+    from moe_serve.server.cli import main
+    from moe_serve.server.frontend.engine_link import check_listen_address
+
+    check_listen_address("tcp://127.0.0.1:5555", None)
+    check_listen_address("tcp://0.0.0.0:5555", "s3cret")
+    for address, secret, what in [("tcp://0.0.0.0:5555", None, "beyond loopback"), ("tcp://10.1.2.3:5555", "", "beyond"),
+                                  ("ipc:///tmp/x", "s", "tcp://HOST:PORT"), ("tcp://127.0.0.1", "s", "tcp://HOST:PORT")]:
+        with pytest.raises(ValueError, match=what):
+            check_listen_address(address, secret)
+    assert main(["serve", str(REPO / "models" / "tiny-fortunes"), "--frontend-only",
+                 "--frontend-address", "tcp://0.0.0.0:5555"]) == 2
+    assert "listens beyond loopback: set --frontend-secret" in capsys.readouterr().err
+
+
+def test_engine_must_give_the_secret():
+    """A peer without the secret is refused and can neither attach nor feed outputs; garbage is dropped."""
+    import zmq
+
+    from moe_serve.parallel.launch import free_port
+    from moe_serve.server.frontend import engine_loop
+    from moe_serve.server.frontend.engine_client import EngineClient
+    from moe_serve.server.frontend.metrics import Metrics
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+
+    async def check():
+        client = EngineClient({"model": "unused"}, Metrics(), secret="right")
+        client.listen(address)
+        ctx = zmq.Context()
+        try:
+            with pytest.raises(RuntimeError, match="refused this engine: wrong or missing shared secret"):
+                await asyncio.to_thread(engine_loop.attach, ctx, address, "wrong", 10)
+            intruder = ctx.socket(zmq.DEALER)
+            intruder.connect(address)
+            intruder.send(b"\xc1 not msgpack")
+            intruder.send(engine_loop.pack({"type": "ready", "max_model_len": 8, "vocab_size": 8}))
+            await asyncio.sleep(0.5)
+            assert client.generation == 0 and not client.alive and "no engine attached yet" in client.why_not_alive()
+            intruder.close(linger=0)
+            sock, welcome = await asyncio.to_thread(engine_loop.attach, ctx, address, "right", 10)
+            assert welcome == {"type": "welcome", "placement": None}
+            sock.send(engine_loop.pack({"type": "ready", "max_model_len": 8, "vocab_size": 8}))
+            for _ in range(50):
+                if client.alive:
+                    break
+                await asyncio.sleep(0.1)
+            assert client.alive and client.generation == 1
+            sock.close(linger=0)
+        finally:
+            ctx.term()
+            await client.close()
+
+    asyncio.run(check())
 
 
 def test_api_key_compared_in_constant_time(monkeypatch):

@@ -104,7 +104,10 @@ class EngineCore:
                                  topk=mc.num_experts_per_tok, topk_group=mc.topk_group)
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    num_prior_outputs: int = 0) -> str:
+        """num_prior_outputs: how many tokens at the end of the prompt this request had already produced (a
+        re-submission after a lost engine job; see server/core/request.py)."""
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
@@ -118,9 +121,12 @@ class EngineCore:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id)
+        req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id,
+                      num_prior_outputs)
         if params.structured_output is not None:
             req.grammar = self.structured.matcher(params.structured_output)  # ValueError if it does not compile
+            for token_id in prompt_token_ids[len(prompt_token_ids) - num_prior_outputs:]:
+                req.grammar.accept(token_id)  # the outputs of an earlier job: the grammar goes on after them
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return request_id
@@ -177,7 +183,7 @@ class EngineCore:
                 self.num_generated_tokens += 1
                 out = EngineOutput(rid, [result.token_id], self._logprobs(req, result),
                                    num_cached_tokens=req.num_cached_tokens)
-                if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
+                if len(req.output_token_ids) == 1 and req.sampling_params.prompt_logprobs is not None:
                     out.prompt_logprobs = req.prompt_logprobs
                 if req.grammar is not None:
                     req.grammar.accept(result.token_id)

@@ -8,6 +8,10 @@ budget of 3 tokens per step:
     step 3: computes token 5       num_computed 5 -> 6, num_tokens 6   -> sample t6, num_tokens 7 (decode)
 Preemption (recompute) frees the blocks and resets num_computed_tokens to 0; on resume the prompt and
 the outputs so far are computed again (the prefix cache may serve part of them).
+
+A request re-submitted after its engine job was lost (server/frontend/engine_client.py) arrives with the
+tokens it had already produced at the end of its prompt and `num_prior_outputs` = how many: they count as
+outputs for max_tokens, min_tokens and the seeded draws, so it goes on as if nothing had happened.
 """
 
 from __future__ import annotations
@@ -48,12 +52,16 @@ _FINISH_REASONS = {
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 arrival_time: float | None = None, eos_token_id: int | None = None) -> None:
+                 arrival_time: float | None = None, eos_token_id: int | None = None, num_prior_outputs: int = 0) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; send at least one token")
+        if not 0 <= num_prior_outputs < len(prompt_token_ids):
+            raise ValueError(f"request {request_id!r}: num_prior_outputs must be in [0, {len(prompt_token_ids)}) "
+                             f"(outputs already produced, at the end of the prompt), got {num_prior_outputs}")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.num_prior_outputs = num_prior_outputs  # outputs produced by an earlier engine job (end of the prompt)
         self._all_token_ids = list(prompt_token_ids)   # prompt + outputs, kept in step with both
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -77,7 +85,8 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Outputs so far, those of an earlier engine job included (what max_tokens and min_tokens count)."""
+        return self.num_prior_outputs + len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -2,6 +2,8 @@
 
 Greedy rows take the argmax; others apply temperature, top-k and top-p, then draw with the request's
 own generator when it set a seed (reproducible whatever else is in the batch), else with the engine's.
+A seeded request's draw for output i is seeded from (seed, i) alone (`draw_seed`), not from the draws
+before it, so a request re-submitted with its first i outputs in the prompt draws what it would have.
 Logprobs are those of the model's raw distribution (log-softmax of the logits), as in vLLM.
 A row whose sampling raises fails alone: its result carries the `error` (token_id -1) and the others go on.
 Legend: B = rows to sample, V = vocabulary.
@@ -36,6 +38,19 @@ def _filter_top_k_top_p(logits_V: torch.Tensor, top_k: int, top_p: float) -> tor
     return logits_V
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's draw number `index` (0 = its first output): a 64-bit mix
+    (splitmix64's finaliser) of both, so nearby (seed, index) pairs, e.g. sample j's seed + j, do not collide.
+    Worked example: draw_seed(7, 0) != draw_seed(8, 0) != draw_seed(7, 1); the result is in [0, 2**64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def _choose(row_V: torch.Tensor, req: Request, generator: torch.Generator | None) -> int:
     """One row's next token (greedy, or temperature / top-k / top-p then a draw)."""
     p = req.sampling_params
@@ -49,7 +64,9 @@ def _choose(row_V: torch.Tensor, req: Request, generator: torch.Generator | None
     if p.greedy:
         return int(row_V.argmax())
     row_V = _filter_top_k_top_p(row_V / p.temperature, p.top_k, p.top_p)
-    gen = req.generator or generator
+    gen = generator
+    if req.generator is not None:
+        gen = req.generator.manual_seed(draw_seed(p.seed, req.num_output_tokens))
     return int(torch.multinomial(row_V.softmax(-1), 1, generator=gen))
 
 

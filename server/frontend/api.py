@@ -2,7 +2,10 @@
 
 `moe serve MODEL` builds the app with `build_app(ServerArgs(...))` and runs it with uvicorn. At start-up
 the lifespan spawns the engine process (server/frontend/engine_client.py), waits for it to load the model, then
-warms it up with one tiny generation in the background; /ready answers 200 once that is done.
+warms it up with one tiny generation in the background; /ready answers 200 once that is done. With
+`frontend_address` (`moe serve --frontend-only`) it spawns nothing: it listens there for engine jobs, answers
+503 with Retry-After until one attaches (and whenever none is attached: /health says why), and requests in
+flight when a job is lost continue on the next one (docs/reliability.md).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/expert_load, /health, /ready, /version,
 /metrics, and SGLang's /start_expert_distribution_record, /stop_expert_distribution_record,
@@ -38,6 +41,7 @@ from moe_serve.server.core.startup import since_process_start, summary
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_DETACHED_S = 2  # the Retry-After of a 503 while no engine is attached
 RECORD_ROUTES = ("/start_expert_distribution_record", "/stop_expert_distribution_record",
                  "/dump_expert_distribution_record")
 
@@ -50,6 +54,9 @@ class ServerArgs:
     heartbeat_timeout_s: float = 30.0
     log_level: int = logging.WARNING
     max_waiting_requests: int = 256  # engine requests in flight beyond max_num_seqs x DP ranks; then 503
+    frontend_address: str | None = None  # tcp://HOST:PORT: the front end alone; engine jobs attach there
+    frontend_secret: str | None = None  # what attaching engines must present (required beyond loopback)
+    reattach_timeout_s: float = 300.0  # detached this long: requests in flight fail with 503
 
 
 def _version() -> str:
@@ -93,25 +100,46 @@ def build_app(args: ServerArgs) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state["startup"] = {"frontend_import": since_process_start()}
-        client = EngineClient(args.engine_kwargs, metrics, args.heartbeat_timeout_s, args.log_level)
+        client = EngineClient(args.engine_kwargs, metrics, args.heartbeat_timeout_s, args.log_level,
+                              secret=args.frontend_secret, reattach_timeout_s=args.reattach_timeout_s)
+        state["client"], state["serving"], tasks = client, None, []
+
+        def on_attach(info: dict) -> None:
+            """Size the API from the engine that has just attached; warm the first one up."""
+            if state["tokenizer"] is None:  # attached while the tokenizer loads: sized right after it
+                state["early_attach"] = info
+                return
+            max_in_flight = info.get("max_num_seqs", 64) * info.get("data_parallel_size", 1) + args.max_waiting_requests
+            serving = state["serving"]
+            if serving is None:
+                state["startup"].update(info.get("startup", {}))
+                state["serving"] = OpenAIServing(client, state["tokenizer"], names, info["max_model_len"],
+                                                 info["vocab_size"], max_in_flight)
+                tasks.append(asyncio.create_task(_warm_up(client, state["tokenizer"], state, metrics)))
+            else:
+                serving.max_model_len, serving.vocab_size = info["max_model_len"], info["vocab_size"]
+                serving.max_in_flight = max_in_flight
+
+        client.on_attach.append(on_attach)
         try:
-            client.spawn()  # the engine loads the model while this process loads the tokenizer
-            tokenizer = await asyncio.get_running_loop().run_in_executor(None, _load_tokenizer, model)
-            info = await client.wait_ready()
+            state["tokenizer"] = None
+            if args.frontend_address:
+                client.listen(args.frontend_address)
+            else:
+                client.spawn()  # the engine loads the model while this process loads the tokenizer
+            state["tokenizer"] = await asyncio.get_running_loop().run_in_executor(None, _load_tokenizer, model)
+            if "early_attach" in state:
+                on_attach(state.pop("early_attach"))
+            if not args.frontend_address:
+                await client.wait_ready()
         except BaseException:
             await client.close()
             raise
-        state["client"] = client
-        state["startup"].update(info.get("startup", {}))
-        kw = args.engine_kwargs
-        max_in_flight = kw.get("max_num_seqs", 64) * kw.get("data_parallel_size", 1) + args.max_waiting_requests
-        state["serving"] = OpenAIServing(client, tokenizer, names, info["max_model_len"], info["vocab_size"],
-                                         max_in_flight)
-        warmup = asyncio.create_task(_warm_up(client, tokenizer, state, metrics))
         try:
             yield
         finally:
-            warmup.cancel()
+            for task in tasks:
+                task.cancel()
             await client.close()
 
     app = FastAPI(title="moe-serve", version=_version(), lifespan=lifespan)
@@ -119,12 +147,17 @@ def build_app(args: ServerArgs) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
 
     def serving() -> OpenAIServing:
+        if state["serving"] is None:  # no engine yet, or the first one attached while the tokenizer loads
+            client()
+            raise APIError("starting up", status=503, headers={"Retry-After": str(RETRY_AFTER_DETACHED_S)})
         return state["serving"]
 
     def client() -> EngineClient:
         c = state["client"]
         if not c.alive:
-            raise APIError(f"the engine is not running ({c.dead_reason or 'no heartbeat'})", status=503)
+            why = c.why_not_alive() if c.dead_reason or not c.attached else "no heartbeat"
+            raise APIError(f"the engine is not running ({why})", status=503,
+                           headers={"Retry-After": str(RETRY_AFTER_DETACHED_S)})
         return c
 
     # ---- errors -----------------------------------------------------------------------------------
@@ -191,8 +224,10 @@ def build_app(args: ServerArgs) -> FastAPI:
     # ---- health, metrics --------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        client()
-        return Response(status_code=200)
+        """200 {"engine_generation": engines attached so far, "requests_in_flight"} while an engine is attached;
+        503 with why not (none attached yet, the job lost and waiting to re-attach, restarts exhausted)."""
+        c = client()
+        return {"engine_generation": c.generation, "requests_in_flight": len(c.sinks)}
 
     @app.get("/ready")
     async def ready():

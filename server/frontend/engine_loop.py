@@ -1,14 +1,13 @@
-"""The engine process: owns the `EngineCore` and talks to the front end over two ZMQ ipc sockets.
+"""The engine's side of the front end <-> engine link, and the engine loop every rank runs.
 
-Messages are msgpack maps with a "type" (never pickle). Front end -> engine (PUSH -> PULL):
-    add          {request_id, prompt_token_ids, params (SamplingParams fields)}
-    abort        {request_ids}
-    stats        {nonce}                        -> reply: engine.stats() + expert-load summary
-    expert_load  {nonce, op: window|total|record|start|stop|reset}  -> reply: ExpertLoadRecorder.to_json / state
-    shutdown     {}
-Engine -> front end (PUSH -> PULL):
-    ready        {max_model_len, vocab_size, eos_token_id, kv_cache_tokens_total, pid,
-                  startup: {phase: seconds}}   (once, after loading)
+One ZMQ connection: the front end binds a ROUTER (ipc in a private directory when it spawns the engine
+itself; TCP when it runs on its own, `moe serve --frontend-only`), the engine leader (global rank 0)
+connects a DEALER to it. Messages are msgpack maps with a "type" (never pickle). Engine -> front end:
+    hello        {secret, pid, job, restart}      (first, before loading; the front end answers welcome
+                                                  or rejected: a wrong secret ends the engine with that line)
+    ready        {max_model_len, vocab_size, eos_token_id, kv_cache_tokens_total, max_num_seqs,
+                  data_parallel_size, pid, startup: {phase: seconds}}   (once, after loading: the engine is
+                  attached; the front end then re-sends the requests it still has in flight)
     startup_error {message}
     outputs      {outputs: [{id, t: new token ids, lp: new logprobs [[[id, logprob], ...] per token] | None,
                              cached: prompt tokens from the prefix cache, and when finished: finish, stop}]}
@@ -16,7 +15,18 @@ Engine -> front end (PUSH -> PULL):
     error        {request_id, message, status}  (that request only; the loop goes on): status 400 for a
                                                 request the engine rejected, 500 for one that failed while running
     reply        {nonce, data}
+    placement    {data}                         (after each completed rebalance: the placement file's JSON,
+                                                balancer/placement_file.py; the front end keeps the last one)
     heartbeat    {}                             (every HEARTBEAT_S, busy or idle)
+Front end -> engine:
+    welcome      {placement: the last `placement` data it holds, or None}   (the job starts from it)
+    rejected     {message}
+    add          {request_id, prompt_token_ids, params (SamplingParams fields), num_prior_outputs (optional:
+                  tokens at the end of the prompt the request had produced in an earlier job)}
+    abort        {request_ids}
+    stats        {nonce}                        -> reply: engine.stats() + expert-load summary
+    expert_load  {nonce, op: window|total|record|start|stop|reset}  -> reply: ExpertLoadRecorder.to_json / state
+    shutdown     {}
 
 The loop runs steps while there is work; otherwise it blocks on the socket (waking for heartbeats).
 """
@@ -47,14 +57,42 @@ def unpack(raw: bytes) -> dict:
     return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
-def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, log_level: int = logging.WARNING) -> None:
-    """Entry point of the spawned engine process."""
-    logging.basicConfig(level=log_level, format="%(asctime)s [engine] %(name)s: %(message)s", datefmt="%H:%M:%S")
+def _job_identity() -> dict:
+    """Which engine job this is, for the front end's log: torchrun's run id and restart count when under it."""
+    return {"pid": os.getpid(), "job": os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+
+
+def attach(ctx: zmq.Context, address: str, secret: str | None, timeout_s: float = 600.0) -> tuple[zmq.Socket, dict]:
+    """Engine leader: connect to the front end at `address`, say hello, wait for its welcome. Returns the
+    socket and the welcome; raises RuntimeError with one line when rejected or when nobody answers."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(address)
+    sock.send(pack({"type": "hello", "secret": secret or "", **_job_identity()}))
+    if not sock.poll(int(timeout_s * 1000)):
+        sock.close(linger=0)
+        raise RuntimeError(f"no front end answered at {address} within {timeout_s:.0f} s; start it with "
+                           "`moe serve MODEL --frontend-only --frontend-address ADDRESS` first")
+    welcome = unpack(sock.recv())
+    if welcome.get("type") != "welcome":
+        sock.close(linger=0)
+        raise RuntimeError(f"the front end at {address} refused this engine: {welcome.get('message', welcome)}")
+    return sock, welcome
+
+
+def run_engine_process(engine_kwargs: dict, address: str, secret: str | None, log_level: int = logging.WARNING,
+                       log_tag: str = "engine") -> None:
+    """The engine leader: the process the front end spawns, or rank 0 of an engine job that attaches to a
+    front end running on its own (`moe serve --frontend-address`)."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s [{log_tag}] %(name)s: %(message)s", datefmt="%H:%M:%S")
     ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(input_addr)
-    push.connect(output_addr)
-    push.setsockopt(zmq.LINGER, 1000)
+    try:
+        sock, welcome = attach(ctx, address, secret)
+    except RuntimeError as exc:
+        ctx.term()
+        raise SystemExit(f"moe serve: {exc}") from None
     try:
         from moe_serve.server.core.config import EngineConfig
         from moe_serve.server.core.engine import EngineCore
@@ -63,21 +101,23 @@ def run_engine_process(engine_kwargs: dict, input_addr: str, output_addr: str, l
         engine_import_s = since_process_start()
         engine = EngineCore(EngineConfig(**engine_kwargs))
         recorder = engine.expert_load_recorder  # on by default (None without MoE layers); the engine closes its steps
+        start_from_placement(engine, welcome.get("placement"))
     except Exception as exc:  # noqa: BLE001 - reported to the front end, which exits with it
         log.exception("engine failed to start")
-        push.send(pack({"type": "startup_error", "message": f"{type(exc).__name__}: {exc}"}))
-        push.close()
+        sock.send(pack({"type": "startup_error", "message": f"{type(exc).__name__}: {exc}"}))
+        sock.close()
         ctx.term()
         return
-    push.send(pack({"type": "ready", "max_model_len": engine.max_model_len,
+    sock.send(pack({"type": "ready", "max_model_len": engine.max_model_len,
                     "vocab_size": engine.model_config.vocab_size, "eos_token_id": engine.eos_token_id,
                     "kv_cache_tokens_total": engine.kv_cache_tokens_total, "pid": os.getpid(),
+                    "max_num_seqs": engine.config.max_num_seqs,
+                    "data_parallel_size": engine.config.data_parallel_size,
                     "startup": {"engine_import": engine_import_s, **engine.startup_seconds}}))
     try:
-        EngineLoop(engine, recorder, pull, push).run()
+        EngineLoop(engine, recorder, sock, sock).run()
     finally:
-        pull.close(linger=0)
-        push.close(linger=0)
+        sock.close(linger=0)
         ctx.term()
 
 
@@ -87,7 +127,25 @@ def run_follower(engine_kwargs: dict) -> None:
     from moe_serve.server.core.engine import EngineCore
 
     engine = EngineCore(EngineConfig(**engine_kwargs))
+    start_from_placement(engine, None)  # rank 0 broadcasts what the front end's welcome carried
     EngineLoop(engine, engine.expert_load_recorder, None, None).run()
+
+
+def start_from_placement(engine, placement: dict | None) -> None:
+    """Every rank, after loading: move to the placement a previous job exported and count its load (the front
+    end's welcome carries both to the leader, which broadcasts them), so a restarted job keeps what it learnt."""
+    state = engine.parallel
+    if state.cpu.size > 1:
+        placement = comm.broadcast_object(placement, state.cpu, src=0)
+    if placement is None or engine.rebalancer is None:
+        return
+    if state.config.pipeline_parallel_size > 1:
+        log.warning("a previous job's expert placement is not restored with pipeline parallelism")
+        return
+    # the exported load was summed over the DP ranks: the ranks of DP group 0 count it, the others add nothing
+    moved = engine.rebalancer.move_to(placement, count_load=state.dp.index == 0)
+    if state.rank == 0:
+        log.info("started from the previous job's expert placement (%d slots loaded) and load", moved)
 
 
 class EngineLoop:
@@ -106,6 +164,9 @@ class EngineLoop:
         self.reports = state.coords.pp_rank == 0 and state.coords.tp_rank == 0  # one rank per DP group
         self.next_dp_rank = 0
         self.has_work = False
+        rebalancer = engine.rebalancer
+        self.exported = rebalancer.num_rebalances if rebalancer is not None else 0  # rebalances sent out
+        self.export_placements = rebalancer is not None and state.config.pipeline_parallel_size == 1
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -130,12 +191,25 @@ class EngineLoop:
             self.has_work = self.engine.any_rank_has_work()
             if self.has_work:
                 self.step()
+                self.export_placement()
             self.flush()
             if self.leader:
                 now = time.monotonic()
                 if now - self.last_heartbeat >= HEARTBEAT_S:
                     self.last_heartbeat = now
                     self.push.send(pack({"type": "heartbeat"}))
+
+    def export_placement(self) -> None:
+        """Once a rebalance has moved every layer it planned: send the placement and the load it was
+        planned from to the front end, which hands it to the next job (every rank: the load is summed
+        over the DP ranks)."""
+        rb = self.engine.rebalancer
+        if not self.export_placements or rb.num_rebalances == self.exported or rb.pending:
+            return
+        self.exported = rb.num_rebalances
+        data = self.recorder.to_json("window", sum_over=self.dp)
+        if self.leader:
+            self.push.send(pack({"type": "placement", "data": data}))
 
     def route(self, msg: dict) -> dict:
         """Leader: pick the DP rank that takes a new request (round robin)."""
@@ -191,7 +265,8 @@ class EngineLoop:
         rid = msg.get("request_id")
         try:
             params = SamplingParams(**msg["params"])
-            self.engine.add_request(list(msg["prompt_token_ids"]), params, request_id=rid)
+            self.engine.add_request(list(msg["prompt_token_ids"]), params, request_id=rid,
+                                    num_prior_outputs=msg.get("num_prior_outputs", 0))
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             self.events.append({"type": "error", "request_id": rid, "message": str(exc), "status": 400})
 

@@ -57,6 +57,7 @@ def _sse(obj: dict | str) -> str:
 
 class OpenAIServing:
     RETRY_AFTER_S = 1
+    KEEP_ALIVE_S = 5.0  # a stream's keep-alive comment interval while no engine is attached
 
     def __init__(self, client: EngineClient, tokenizer, served_names: list[str], max_model_len: int, vocab_size: int,
                  max_in_flight: int = 1 << 30):
@@ -179,14 +180,33 @@ class OpenAIServing:
         return [*usage, _sse("[DONE]")]
 
     def stream(self, gen: AsyncIterator[str], choices: list[Choice]) -> SSEResponse:
-        async def guarded():
-            try:
-                async for chunk in gen:
-                    yield chunk
-            except APIError as exc:
-                yield _sse(exc.body())
-                yield _sse("[DONE]")
-        return SSEResponse(guarded(), on_close=lambda: self.abort(choices))
+        return SSEResponse(self._keep_alive(gen), on_close=lambda: self.abort(choices))
+
+    async def _keep_alive(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The stream's chunks; an APIError becomes an error chunk and [DONE]. While no engine is attached (its
+        job lost, the next one starting: engine_link.py), an SSE comment every KEEP_ALIVE_S keeps the stream
+        open through proxies and client read timeouts; clients ignore comments."""
+        it = gen.__aiter__()
+        pending = asyncio.ensure_future(it.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=self.KEEP_ALIVE_S)
+                if not done:
+                    if not self.client.alive:
+                        yield ": waiting for the engine job to re-attach\n\n"
+                    continue
+                try:
+                    chunk = pending.result()
+                except StopAsyncIteration:
+                    return
+                except APIError as exc:
+                    yield _sse(exc.body())
+                    yield _sse("[DONE]")
+                    return
+                yield chunk
+                pending = asyncio.ensure_future(it.__anext__())
+        finally:
+            pending.cancel()
 
     # ---- /v1/completions ------------------------------------------------------------------------------
     def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
