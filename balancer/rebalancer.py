@@ -177,7 +177,8 @@ class Rebalancer:
             if placement.get("logical_counts") is None:
                 return 0
             load_LE = torch.tensor(placement["logical_counts"], dtype=torch.float64)
-            phy2log_LR, _, _ = rebalance_experts(load_LE, current_LR.shape[1], self.num_groups, 1, self.ep_size)
+            phy2log_LR, _, _ = rebalance_experts(load_LE, current_LR.shape[1], self.num_groups, self.num_nodes,
+                                                 self.ep_size, **self.routing)
         self._planning = None
         self.pending = [(layer, phy2log_LR[j].tolist()) for j, layer in enumerate(self.layers)
                         if not torch.equal(phy2log_LR[j], current_LR[j])]
