@@ -31,7 +31,7 @@ import torch
 
 from moe_serve.balancer.locality import (node_counts, node_local_balancedness, remote_nodes_per_token, replica_loads,
                                          sample_routed_tokens)
-from moe_serve.balancer.packing import align, improve, lpt, per_gpu_cap
+from moe_serve.balancer.packing import align, improve, lpt, match_blocks, per_gpu_cap
 
 _SET_ABOVE = (0.0, 1.0, 4.0, float("inf"))  # x mean GPU load: experts this hot grow in node sets
 _CAP_MARGINS = (0.0, 0.02)
@@ -314,22 +314,8 @@ def align_nodes(plan_LR: torch.Tensor, prev_LR: torch.Tensor, num_nodes: int, nu
     (greedy by experts shared). Balance and locality are unchanged: a node keeps its GPUs, a GPU its experts."""
     num_layers, num_slots = plan_LR.shape
     per_node = num_slots // num_nodes
-    plan_LNP, prev_LNP = plan_LR.view(num_layers, num_nodes, per_node), prev_LR.view(num_layers, num_nodes, per_node)
-
-    def held(x_LNP):
-        return torch.zeros(num_layers, num_nodes, num_logical).scatter_add_(2, x_LNP, torch.ones(x_LNP.shape))
-
-    overlap_LNN = torch.bmm(held(plan_LNP), held(prev_LNP).transpose(1, 2))
-    layers_L = torch.arange(num_layers)
-    target_LN = torch.empty(num_layers, num_nodes, dtype=torch.int64)
-    for _ in range(num_nodes):
-        flat_L = overlap_LNN.flatten(1).argmax(1)
-        src_L, dst_L = flat_L // num_nodes, flat_L % num_nodes
-        target_LN[layers_L, src_L] = dst_L
-        overlap_LNN[layers_L, src_L, :] = -1.0
-        overlap_LNN[layers_L, :, dst_L] = -1.0
-        overlap_LNN[layers_L, src_L, dst_L] = -2.0
-    moved_LNP = torch.empty_like(plan_LNP).scatter_(1, target_LN.unsqueeze(2).expand(-1, -1, per_node), plan_LNP)
+    prev_LNP = prev_LR.view(num_layers, num_nodes, per_node)
+    moved_LNP = match_blocks(plan_LR.view(num_layers, num_nodes, per_node), prev_LNP, num_logical)
     rows_BP = align(moved_LNP.reshape(-1, per_node), prev_LNP.reshape(-1, per_node), num_gpus // num_nodes,
                      num_logical)
     return rows_BP.view(num_layers, num_slots)

@@ -182,6 +182,27 @@ def move_key(max_load: torch.Tensor, cost: torch.Tensor, limit: torch.Tensor, to
     return max_load / top + torch.where(max_load <= limit, 2.0 * (cost + 2), 20.0)
 
 
+def match_blocks(plan_LBS: torch.Tensor, prev_LBS: torch.Tensor, num_logical: int) -> torch.Tensor:
+    """plan_LBS with its blocks (GPUs, or nodes) renumbered to match prev_LBS's: greedily, the pair of blocks
+    sharing the most experts first. Each block keeps its experts, in its order."""
+    num_layers, num_blocks, size = plan_LBS.shape
+
+    def held(x_LBS):
+        return torch.zeros(num_layers, num_blocks, num_logical).scatter_add_(2, x_LBS, torch.ones(x_LBS.shape))
+
+    overlap_LBB = torch.bmm(held(plan_LBS), held(prev_LBS).transpose(1, 2))  # [L, plan block, prev block]
+    layers_L = torch.arange(num_layers)
+    target_of_LB = torch.empty(num_layers, num_blocks, dtype=torch.int64)
+    for _ in range(num_blocks):
+        flat_L = overlap_LBB.flatten(1).argmax(1)
+        src_L, dst_L = flat_L // num_blocks, flat_L % num_blocks
+        target_of_LB[layers_L, src_L] = dst_L
+        overlap_LBB[layers_L, src_L, :] = -1.0
+        overlap_LBB[layers_L, :, dst_L] = -1.0
+        overlap_LBB[layers_L, src_L, dst_L] = -2.0  # below -1: never picked again
+    return torch.empty_like(plan_LBS).scatter_(1, target_of_LB.unsqueeze(2).expand(-1, -1, size), plan_LBS)
+
+
 def align(plan_LR: torch.Tensor, prev_LR: torch.Tensor, num_gpus: int, num_logical: int) -> torch.Tensor:
     """plan_LR with its GPUs renumbered and each GPU's slots reordered to agree with prev_LR where it can.
 
@@ -192,23 +213,7 @@ def align(plan_LR: torch.Tensor, prev_LR: torch.Tensor, num_gpus: int, num_logic
     slots_per_gpu = num_slots // num_gpus
     plan_LGS = plan_LR.view(num_layers, num_gpus, slots_per_gpu)
     prev_LGS = prev_LR.view(num_layers, num_gpus, slots_per_gpu)
-
-    def held(x_LGS):
-        out = torch.zeros(num_layers, num_gpus, num_logical)
-        return out.scatter_add_(2, x_LGS, torch.ones(x_LGS.shape))
-
-    overlap_LGG = torch.bmm(held(plan_LGS), held(prev_LGS).transpose(1, 2))  # [L, plan GPU, prev GPU]
-    layers_L = torch.arange(num_layers)
-    target_of_LG = torch.empty(num_layers, num_gpus, dtype=torch.int64)
-    for _ in range(num_gpus):
-        flat_L = overlap_LGG.flatten(1).argmax(1)
-        src_L, dst_L = flat_L // num_gpus, flat_L % num_gpus
-        target_of_LG[layers_L, src_L] = dst_L
-        overlap_LGG[layers_L, src_L, :] = -1.0
-        overlap_LGG[layers_L, :, dst_L] = -1.0
-        overlap_LGG[layers_L, src_L, dst_L] = -2.0  # below -1: never picked again
-    moved_LGS = torch.empty_like(plan_LGS)
-    moved_LGS.scatter_(1, target_of_LG.unsqueeze(2).expand(-1, -1, slots_per_gpu), plan_LGS)
+    moved_LGS = match_blocks(plan_LGS, prev_LGS, num_logical)
     # Within each GPU: previous slot s keeps its expert if the new set has it; the rest fill in order.
     out_LGS = torch.full_like(moved_LGS, -1)
     unused_LGS = torch.ones_like(moved_LGS, dtype=torch.bool)

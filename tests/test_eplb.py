@@ -8,13 +8,7 @@ import torch
 from moe_serve.balancer import balancedness, moved_slots, rebalance_experts, validate_plan
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The planner runs many small ops; extra threads only slow them down on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def zipf_load(num_layers: int, num_experts: int, s: float, seed: int, tokens: int = 65536) -> torch.Tensor:

@@ -14,12 +14,7 @@ from moe_serve.balancer.placement import build_log2phy
 E, GROUPS, TOPK_GROUP, K = 64, 8, 4, 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def routed_tokens(num_layers: int, num_tokens: int, s: float, seed: int) -> list[torch.Tensor]:
