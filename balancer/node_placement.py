@@ -34,8 +34,8 @@ from moe_serve.balancer.locality import (node_counts, node_local_balancedness, r
 from moe_serve.balancer.packing import align, improve, lpt, match_blocks, per_gpu_cap
 
 _SET_ABOVE = (0.0, 1.0, 4.0, float("inf"))  # x mean GPU load: experts this hot grow in node sets
-_CAP_MARGINS = (0.0, 0.02)
-_SAMPLE_TOKENS = 1024  # tokens per layer that estimate a candidate's cross-node rows  # node load cap: mean node load / (target + margin), tried in turn
+_CAP_MARGINS = (0.0, 0.02)  # node load cap: mean node load / (target + margin), tried in turn
+_SAMPLE_TOKENS = 1024  # tokens per layer that estimate a candidate's cross-node rows
 
 
 def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_LEE: torch.Tensor, num_groups: int,
