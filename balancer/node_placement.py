@@ -129,7 +129,7 @@ def node_set_counts(weight_LE: torch.Tensor, num_slots: int, num_gpus: int, num_
     passed_LE = torch.zeros(num_layers, num_logical, dtype=torch.bool)
     while True:
         spread_LE = torch.where(counts_LE < num_nodes, counts_LE, counts_LE // num_nodes * num_nodes)
-        sets_LE = hot_LE | (counts_LE >= num_nodes) | (counts_LE + 1 >= num_nodes)
+        sets_LE = hot_LE | (counts_LE + 1 >= num_nodes)
         step_LE = torch.where(sets_LE, torch.where(counts_LE < num_nodes, num_nodes - counts_LE, num_nodes), 1)
         passed_LE |= step_LE > left_L.unsqueeze(1)
         busiest_LE = (weight_LE / spread_LE).masked_fill(passed_LE, -1.0)
