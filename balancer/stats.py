@@ -178,6 +178,10 @@ class ExpertLoadRecorder:
         if physical_LR is not None and tuple(physical_LR.shape) == (self.num_layers, self.num_slots):
             self._ring_WLR[row] += physical_LR.round().long().to(self.device)
 
+    def last_step(self) -> torch.Tensor:
+        """CPU copy of the last completed step's tokens per (layer, expert)."""
+        return self._ring_WLE[(self._pos - 1) % self.window_steps].cpu().clone()
+
     def discard_step(self) -> None:
         """Close a step that must not count (a dummy batch of a DP rank with no work): its counts are dropped and
         the window keeps its real steps."""

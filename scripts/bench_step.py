@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 1 12 64
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 4 --kernels   # time per C kernel
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 4 --kernels --layer-by-layer
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 1 4 --bound   # against memory bandwidth
 
 Builds the benchmark checkpoint if missing (.cache/bench), adds N requests of random 64-192 token prompts,
 prefills them all, then times --steps decode steps and prints the median and minimum per N. --kernels
@@ -35,6 +36,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--kernels", action="store_true", help="also time each CPU kernel (ms per decode step)")
+    ap.add_argument("--bound", action="store_true",
+                    help="also the memory-bandwidth bound: bytes a decode step must read (weights of every layer, "
+                         "the routed experts the step used, KV cache) / measured read bandwidth, and that bound as "
+                         "a fraction of the median step")
     ap.add_argument("--layer-by-layer", action="store_true",
                     help="decode steps call each kernel from Python, not one C call per layer (kernels/cpu_decode_layer.py): "
                          "with --kernels, the time of each kernel inside a layer")
@@ -50,7 +55,11 @@ def main() -> None:
             layer.fast_decode = None
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     print(f"{args.model} {args.dtype}, kernel backend {args.kernel_backend}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
-    print(f"{'running':>8} {'prefill all ms':>15} {'step median ms':>15} {'step min ms':>12}")
+    bandwidth = read_bandwidth() if args.bound else None
+    if bandwidth is not None:
+        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (sum of 512 MiB, best of 7, {torch.get_num_threads()} thread(s))")
+    print(f"{'running':>8} {'prefill all ms':>15} {'step median ms':>15} {'step min ms':>12}"
+          + (f" {'MB read':>8} {'bound ms':>9} {'bound/median':>13}" if args.bound else ""))
     for n in args.running:
         g = torch.Generator().manual_seed(args.seed)
         ids = []
@@ -62,22 +71,68 @@ def main() -> None:
         while any(engine.requests[r].num_output_tokens == 0 for r in ids):
             engine.step()
         prefill = time.perf_counter() - t0
-        times = []
+        times, read = [], []
         if kernel_s is not None:
             kernel_s.clear()
         for _ in range(args.steps):
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
+            if bandwidth is not None:
+                read.append(step_bytes(engine, ids))
         for r in ids:
             engine.abort_request(r)
-        print(f"{n:>8} {prefill * 1e3:>15.0f} {statistics.median(times) * 1e3:>15.1f} {min(times) * 1e3:>12.1f}")
+        median = statistics.median(times)
+        bound = "" if bandwidth is None else (
+            f" {statistics.median(read) / 1e6:>8.1f} {statistics.median(read) / bandwidth * 1e3:>9.2f}"
+            f" {statistics.median(read) / bandwidth / median:>13.2f}")
+        print(f"{n:>8} {prefill * 1e3:>15.0f} {median * 1e3:>15.1f} {min(times) * 1e3:>12.1f}{bound}")
         if kernel_s is not None:
             per_step = {name: s / args.steps * 1e3 for name, s in kernel_s.items()}
             rest = sum(times) / args.steps * 1e3 - sum(per_step.values())
             print("         kernels, ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                           sorted(per_step.items(), key=lambda kv: -kv[1]))
                   + f"; the rest (torch ops, Python) {rest:.2f}")
+
+
+def read_bandwidth(num_bytes: int = 1 << 29) -> float:
+    """Bytes per second this process reads from memory: a float32 sum over a buffer 16x the L3 cache of this
+    machine class, best of 7 (threads as the engine's)."""
+    src = torch.ones(num_bytes // 4)
+    src.sum()
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best
+
+
+def step_bytes(engine, request_ids: list[str]) -> int:
+    """What the last decode step had to read at least: every weight once (embedding: one row per token),
+    of the routed experts only those its tokens chose (the expert load recorder's last step), and each
+    request's cached latents."""
+    from moe_serve.moe.model import MoEBlock
+
+    model = engine.runner.model
+    chosen_LE = engine.expert_load_recorder.last_step() > 0
+    total, j = 0, 0
+    for layer in model.model.layers:
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, MoEBlock):
+            per_slot = sum(t[0].numel() * t.element_size() for t in mlp.experts.slot_tensors())
+            total += int(chosen_LE[j].sum()) * per_slot
+            j += 1
+    routed = {t.data_ptr() for layer in model.model.layers if isinstance(getattr(layer, "mlp", None), MoEBlock)
+              for t in layer.mlp.experts.slot_tensors()}
+    embed = model.model.embed_tokens.weight
+    total += sum(p.numel() * p.element_size() for p in model.parameters()
+                 if p.data_ptr() not in routed and p is not embed)
+    total += len(request_ids) * embed.shape[1] * embed.element_size()
+    cache = engine.runner.kv_caches[0]
+    per_token = cache.shape[-1] * cache.element_size() * len(engine.runner.kv_caches)
+    total += sum(engine.requests[r].num_tokens for r in request_ids) * per_token
+    return total
 
 
 def time_kernels() -> collections.Counter:
