@@ -127,13 +127,15 @@ def group_affinity(weight_LE: torch.Tensor, num_groups: int) -> torch.Tensor:
     return share_LE.unsqueeze(2) * share_LE.unsqueeze(1) * same_EE
 
 
-def coactivation(topk_ids_TK: torch.Tensor, num_logical: int) -> torch.Tensor:
-    """count_EE: tokens that chose both e and f (e != f), for one layer, counted on topk_ids' device."""
+def coactivation(topk_ids_TK: torch.Tensor, num_logical: int, out_EE: torch.Tensor | None = None) -> torch.Tensor:
+    """count_EE: tokens that chose both e and f (e != f), for one layer, counted on topk_ids' device; added
+    into out_EE (int64, contiguous) when given."""
     pairs_TKK = topk_ids_TK.long().unsqueeze(2) * num_logical + topk_ids_TK.long().unsqueeze(1)
-    keep_TKK = topk_ids_TK.unsqueeze(2) != topk_ids_TK.unsqueeze(1)
-    count = torch.zeros(num_logical * num_logical, dtype=torch.int64, device=topk_ids_TK.device)
-    count.index_add_(0, pairs_TKK[keep_TKK], torch.ones_like(pairs_TKK[keep_TKK]))
-    return count.view(num_logical, num_logical)
+    pairs_N = pairs_TKK[topk_ids_TK.unsqueeze(2) != topk_ids_TK.unsqueeze(1)]
+    if out_EE is None:
+        out_EE = torch.zeros(num_logical, num_logical, dtype=torch.int64, device=topk_ids_TK.device)
+    out_EE.view(-1).index_add_(0, pairs_N, torch.ones_like(pairs_N))
+    return out_EE
 
 
 def split_affinity(phy2log_LR: torch.Tensor, affinity_LEE: torch.Tensor, num_gpus: int, num_nodes: int

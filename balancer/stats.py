@@ -135,7 +135,7 @@ class ExpertLoadRecorder:
         ones = self._ones[:ids.numel()]
         self._step_LE[layer].index_add_(0, ids, ones)
         if self._coact_step_LEE is not None and topk_ids_TK.dim() == 2:
-            self._coact_step_LEE[layer] += coactivation(topk_ids_TK, self.num_experts)
+            coactivation(topk_ids_TK, self.num_experts, out_EE=self._coact_step_LEE[layer])
         if phy_ids_TK is not None:
             self._measured_slots = True
             slots = ids if phy_ids_TK is topk_ids_TK else phy_ids_TK.reshape(-1).long()

@@ -117,7 +117,8 @@ def dispatch(
     rows_remote = sum(send_splits) - send_splits[me]
     recv_remote = sum(recv_splits) - recv_splits[me]
     naive_remote = sum(naive) - naive[me]
-    cross = sum(n for w, n in enumerate(send_splits) if group.nodes and group.nodes[w] != group.nodes[me])
+    nodes = group.nodes
+    cross = sum(n for w, n in enumerate(send_splits) if nodes[w] != nodes[me]) if group.num_nodes > 1 else 0
     stats = DispatchStats(
         tokens=T,
         rows_sent_remote=rows_remote,

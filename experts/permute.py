@@ -90,10 +90,10 @@ def expert_rows_per_rank(topk_ids_TK: torch.Tensor, slots_per_rank: int, num_ran
 
 def remote_node_rows(mask_TW: torch.Tensor, nodes_W: tuple[int, ...], me: int) -> torch.Tensor:
     """0-dim count of (token, node other than rank `me`'s) pairs where the token goes to some rank of that node;
-    0 when nodes_W is empty (one node). Stays on mask's device (no host sync)."""
-    if not nodes_W:
-        return torch.zeros((), dtype=torch.int64, device=mask_TW.device)
+    0 when all ranks share one node (nothing computed). Stays on mask's device (no host sync)."""
     ids = sorted(set(nodes_W))
+    if len(ids) < 2:
+        return torch.zeros((), dtype=torch.int64, device=mask_TW.device)
     node_W = torch.tensor([ids.index(n) for n in nodes_W], device=mask_TW.device)
     onehot_WN = torch.nn.functional.one_hot(node_W, len(ids)).to(torch.float32)
     reach_TN = mask_TW.to(torch.float32) @ onehot_WN > 0
