@@ -124,23 +124,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_engine_process(kwargs, args.frontend_address, secret, level, log_tag="rank 0")
         return 0
 
-    from moe_serve.server.frontend.api import ServerArgs, run_server
+    from moe_serve.server.frontend.api import run_server
 
-    level = logging.INFO if args.verbose else logging.WARNING
     print(f"moe serve: {args.model} on http://{args.host}:{args.port} (GET /ready answers 200 once warmed up)",
           file=sys.stderr, flush=True)
+    run_server(_server_args(args, kwargs), args.host, args.port)
+    return 0
+
+
+def _server_args(args: argparse.Namespace, kwargs: dict, **frontend) -> "ServerArgs":
+    """The front end's settings from `moe serve` flags (frontend: where it listens when it runs alone)."""
+    from moe_serve.server.frontend.api import ServerArgs
+
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-    run_server(ServerArgs(engine_kwargs=kwargs, served_model_names=args.served_model_name or [],
-                          api_key=args.api_key, log_level=level, max_waiting_requests=args.max_waiting_requests,
-                          heartbeat_timeout_s=args.engine_heartbeat_timeout),
-               args.host, args.port)
-    return 0
+    return ServerArgs(engine_kwargs=kwargs, served_model_names=args.served_model_name or [], api_key=args.api_key,
+                      log_level=logging.INFO if args.verbose else logging.WARNING,
+                      max_waiting_requests=args.max_waiting_requests,
+                      heartbeat_timeout_s=args.engine_heartbeat_timeout, **frontend)
 
 
 def _serve_frontend_only(args: argparse.Namespace, kwargs: dict, secret: str | None, world: int) -> int:
     """`moe serve MODEL --frontend-only --frontend-address tcp://HOST:PORT`: HTTP here, engines attach."""
-    from moe_serve.server.frontend.api import ServerArgs, run_server
+    from moe_serve.server.frontend.api import run_server
     from moe_serve.server.frontend.engine_link import check_listen_address
 
     if world > 1:
@@ -154,12 +160,8 @@ def _serve_frontend_only(args: argparse.Namespace, kwargs: dict, secret: str | N
         raise ValueError(f"--reattach-timeout must be > 0 seconds, got {args.reattach_timeout}")
     print(f"moe serve: front end for {args.model} on http://{args.host}:{args.port}; engine jobs attach at "
           f"{args.frontend_address}", file=sys.stderr, flush=True)
-    run_server(ServerArgs(engine_kwargs=kwargs, served_model_names=args.served_model_name or [],
-                          api_key=args.api_key, log_level=logging.INFO if args.verbose else logging.WARNING,
-                          max_waiting_requests=args.max_waiting_requests,
-                          heartbeat_timeout_s=args.engine_heartbeat_timeout, frontend_address=args.frontend_address,
-                          frontend_secret=secret, reattach_timeout_s=args.reattach_timeout),
-               args.host, args.port)
+    run_server(_server_args(args, kwargs, frontend_address=args.frontend_address, frontend_secret=secret,
+                            reattach_timeout_s=args.reattach_timeout), args.host, args.port)
     return 0
 
 
