@@ -44,16 +44,13 @@ LOADS = {"uniform": ("uniform", 0.1), "zipf s=1": ("zipf1", 0.1), "zipf s=1.4": 
          "hot experts": ("hot", 0.1)}
 
 
-def route_tokens(shares_E: torch.Tensor, num_tokens: int, gen: torch.Generator) -> torch.Tensor:
-    return sample_routed_tokens(shares_E, num_tokens, TOPK, NUM_GROUPS, TOPK_GROUP, gen)
-
-
 def windows(kind: str, sigma: float, num_windows: int, num_layers: int, seed: int):
     """Per window: (plan tokens [L] of topk_ids, eval tokens [L] of topk_ids), the shares drifting."""
     gen = torch.Generator().manual_seed(seed)
     shares_LE = base_shares(kind, num_layers, NUM_EXPERTS, gen)
     for _ in range(num_windows):
-        yield ([route_tokens(s, PLAN_TOKENS, gen) for s in shares_LE], [route_tokens(s, EVAL_TOKENS, gen) for s in shares_LE])
+        yield tuple([sample_routed_tokens(s, n, TOPK, NUM_GROUPS, TOPK_GROUP, gen) for s in shares_LE]
+                    for n in (PLAN_TOKENS, EVAL_TOKENS))
         shares_LE = shares_LE * torch.exp(sigma * torch.randn(shares_LE.shape, generator=gen, dtype=torch.float64))
         shares_LE = shares_LE / shares_LE.sum(1, keepdim=True)
 
