@@ -3,7 +3,7 @@
 A placement file is what `GET /v1/expert_load` and `LLM.export_placement` write: `layer_ids`,
 `num_experts`, `ep_size`, `logical_counts` [L][E] and `placement.phy2log` [L][R]. Starting from one
 (`--expert-placement FILE`) uses its phy2log when its slot count matches the deployment, else plans
-from its recorded load.
+from its recorded load; a file covering more layers (every pipeline stage's) gives each stage its own rows.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from moe_serve.balancer.eplb import rebalance_experts
 from moe_serve.balancer.locality import node_local_balancedness, remote_nodes_per_token, sample_routed_tokens
 from moe_serve.balancer.placement import moved_slots
+from moe_serve.balancer.placement_stages import layer_rows
 
 
 def read_load_file(path: str | Path) -> dict:
@@ -46,8 +47,12 @@ def initial_placement(moe_layers: list[int], num_experts: int, num_slots: int, e
         f = read_load_file(source)
         if f["num_experts"] not in (None, num_experts):
             raise ValueError(f"expert placement file is for {f['num_experts']} experts; the model has {num_experts}")
-        if f["layer_ids"] is not None and list(f["layer_ids"]) != list(moe_layers):
-            raise ValueError(f"expert placement file covers layers {f['layer_ids']}; this stage has {moe_layers}")
+        if f["layer_ids"] is not None:  # a file covering more layers (every pipeline stage's): this stage's rows
+            rows = layer_rows(list(f["layer_ids"]), list(moe_layers))
+            if rows is None:
+                raise ValueError(f"expert placement file covers layers {f['layer_ids']}; this stage has {moe_layers}")
+            f = {key: value[rows] if key in ("load", "phy2log") and value is not None else value
+                 for key, value in f.items()}
         if f["phy2log"] is not None and f["phy2log"].shape == (len(moe_layers), num_slots):
             return {layer: f["phy2log"][j].tolist() for j, layer in enumerate(moe_layers)}
         if f["load"] is None:

@@ -19,6 +19,7 @@ import torch
 
 from moe_serve.balancer.eplb import rebalance_experts
 from moe_serve.balancer.locality import node_local_balancedness, planning_nodes
+from moe_serve.balancer.placement_stages import stage_rows
 from moe_serve.parallel import comm
 
 log = logging.getLogger(__name__)
@@ -163,14 +164,17 @@ class Rebalancer:
 
     def move_to(self, placement: dict, count_load: bool = False) -> int:
         """Between steps, on every rank alike: move to a placement another job exported (the placement
-        file's JSON, balancer/placement_file.py): its phy2log when the layers and slot count match, else a
-        plan from its recorded load. With `count_load` the exported load also enters this rank's window (the
-        caller picks the ranks, so the job counts it once per data-parallel replica of the tokens). Returns
-        how many slots loaded weights (0 when it does not fit)."""
-        if list(placement.get("layer_ids") or []) != self.layers:
-            log.warning("eplb: the exported placement covers layers %s, this job %s; not restored",
+        file's JSON, balancer/placement_file.py), taking the rows of this stage's layers from one that covers
+        more (every pipeline stage's): its phy2log when the slot count matches, else a plan from its recorded
+        load. With `count_load` the exported load also enters this rank's window (the caller picks the ranks,
+        so the job counts it once per data-parallel replica of the tokens). Returns how many slots loaded
+        weights (0 when it does not fit)."""
+        mine = stage_rows(placement, self.layers)
+        if mine is None:
+            log.warning("eplb: the exported placement covers layers %s, not all of this stage's %s; not restored",
                         placement.get("layer_ids"), self.layers)
             return 0
+        placement = mine
         current_LR = self.current_placement()
         phy2log_LR = torch.tensor(placement["placement"]["phy2log"], dtype=torch.long)
         if phy2log_LR.shape != current_LR.shape:

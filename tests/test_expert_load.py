@@ -153,6 +153,66 @@ def test_a_restarted_job_moves_to_the_exported_placement_and_counts_its_load():
     assert job(8)[0].move_to({**exported, "layer_ids": [0, 1]}) == 0
 
 
+def test_pipeline_stages_export_one_placement_and_each_restores_its_layers(caplog):
+    """Under pipeline parallelism each stage exports its layers' rows; merged, they cover every MoE layer, and
+    a restarted job's stages each move to their own rows (a stage missing from the file is not restored)."""
+    from moe_serve.balancer.placement_stages import merge_stages, stage_rows
+    from moe_serve.balancer.rebalancer import EplbConfig, Rebalancer
+
+    def stage(layers: list[int]):
+        blocks = {i: _Block(4) for i in layers}
+        rec = ExpertLoadRecorder(len(layers), 4, window_steps=3, layer_ids=layers)
+        return Rebalancer(EplbConfig(window=3), blocks, rec, None, 1), blocks, rec
+
+    phy2log = {1: [3, 2, 1, 0], 2: [1, 0, 3, 2], 3: [0, 1, 2, 3]}
+    load = {1: [5, 0, 0, 1], 2: [0, 6, 0, 0], 3: [1, 1, 1, 4]}
+    parts = []
+    for layers in ([2, 3], [1]):  # in any order
+        reb, blocks, rec = stage(layers)
+        reb.move_to({"layer_ids": layers, "placement": {"phy2log": [phy2log[i] for i in layers]}})
+        for j, layer in enumerate(layers):
+            rec.record(j, torch.tensor(sum(([[e]] * n for e, n in enumerate(load[layer])), [])))
+        rec.end_step()
+        parts.append(rec.to_json("window"))
+    merged = merge_stages(parts)
+    assert merged["layer_ids"] == [1, 2, 3] and merged["num_layers"] == 3
+    assert merged["placement"]["phy2log"] == [phy2log[i] for i in (1, 2, 3)]
+    assert merged["logical_counts"] == [load[i] for i in (1, 2, 3)]
+    assert len(merged["physical_counts"]) == len(merged["balancedness"]) == 3
+    assert merged["balancedness_min"] == min(merged["balancedness"])
+    assert stage_rows(merged, [3, 1])["placement"]["phy2log"] == [phy2log[3], phy2log[1]]
+    assert stage_rows(merged, [3, 4]) is None
+    with pytest.raises(ValueError, match="overlap"):
+        merge_stages([parts[0], parts[0]])
+    with pytest.raises(ValueError, match="disagree on num_slots"):
+        merge_stages([parts[0], {**parts[1], "num_slots": 6}])
+
+    for layers in ([1], [2, 3]):  # the next job's stages, each given the whole file
+        reb, blocks, rec = stage(layers)
+        assert reb.move_to(merged, count_load=True) > 0
+        assert [b.phy2log_R for b in blocks.values()] == [phy2log[i] for i in layers]
+        assert rec.snapshot().window_LE.tolist() == [load[i] for i in layers]
+    reb, blocks, _ = stage([3, 4])
+    with caplog.at_level("WARNING"):
+        assert reb.move_to(merged) == 0
+    assert "not all of this stage's [3, 4]" in caplog.text and blocks[3].moves == 0
+
+
+def test_a_placement_file_of_every_stage_starts_each_stage(tmp_path):
+    import json
+
+    from moe_serve.balancer.placement_file import initial_placement
+
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"layer_ids": [1, 2, 3], "num_experts": 4, "logical_counts": [[1] * 4] * 3,
+                                "placement": {"phy2log": [[3, 2, 1, 0], [1, 0, 3, 2], [0, 1, 2, 3]]}}))
+    assert initial_placement([2, 3], 4, 4, 1, 1, path, topk=2) == {2: [1, 0, 3, 2], 3: [0, 1, 2, 3]}
+    planned = initial_placement([1], 4, 6, 2, 1, path, topk=2)  # 6 slots: planned from layer 1's load
+    assert list(planned) == [1] and len(planned[1]) == 6 and set(planned[1]) == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="this stage has"):
+        initial_placement([3, 4], 4, 4, 1, 1, path, topk=2)
+
+
 def test_record_session():
     rec = ExpertLoadRecorder(1, 2, window_steps=8)
     rec.record(0, torch.tensor([[0]]))
