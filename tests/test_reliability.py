@@ -6,6 +6,8 @@ outage (last token before the kill, first token after, over the streams) is prin
   - a job under torchrun --max-restarts 1: torchrun starts it again; it resumes from the placement the
     balancer exported; losing a rank once more exhausts the restarts: the requests then in flight fail with
     503 after --reattach-timeout, /health says why, new requests get 503 with Retry-After.
+Under pipeline parallelism (no front end needed): the exported placement covers every stage's MoE layers and a
+restarted job's stages each move to their own rows.
 """
 
 from __future__ import annotations
@@ -249,3 +251,39 @@ def test_a_lost_rank_under_torchrun_restarts(env):
     assert resp.status_code == 503 and resp.headers["Retry-After"]
     print(f"restarts exhausted: the request in flight failed with 503 after {time.monotonic() - t0:.1f} s; "
           f"/health: {json.loads(body)['error']['message']}")
+
+
+def test_pipeline_stages_hand_their_placement_to_the_next_job(checkpoint, tmp_path):
+    """Two pipeline stages of two DP ranks each (EP over them, redundant slots, a rebalance every 4 steps;
+    tests/pp_placement_worker.py): the
+    export after a rebalance covers both stages' MoE layers, each row what its stage held then; restoring it,
+    as a restarted job does from the front end's welcome, moves each stage to its own rows (and back from the
+    placement before the rebalances), and the greedy tokens stay the same."""
+    out = tmp_path / "pp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(Path(__file__).with_name("pp_placement_worker.py")),
+           checkpoint("v3"), str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(4)]  # stage 0: ranks 0, 1; stage 1: 2, 3
+    every_layer = sorted(ranks[0]["layers"] + ranks[2]["layers"])
+    assert ranks[0]["layers"] and ranks[2]["layers"], "a stage without MoE layers tests nothing here"
+
+    def rows(file: dict, layers: list[int]) -> dict[str, list[int]]:  # (JSON keys are strings)
+        by_layer = dict(zip(file["layer_ids"], file["placement"]["phy2log"]))
+        return {str(layer): by_layer[layer] for layer in layers}
+
+    for r in ranks[1:]:  # every rank took part in the same exports
+        assert [e["file"] for e in r["exports"]] == [e["file"] for e in ranks[0]["exports"]]
+    for r in ranks:
+        assert r["exports"], "no placement was exported"
+        assert r["initial_file"]["layer_ids"] == every_layer
+        for e in r["exports"]:
+            assert e["file"]["layer_ids"] == every_layer
+            assert rows(e["file"], r["layers"]) == e["stage"]
+        exported = rows(r["exports"][-1]["file"], r["layers"])
+        assert exported != r["initial"], "the balancer moved nothing on this stage: no placement to carry over"
+        assert r["restored_initial"] == r["initial"] == rows(r["initial_file"], r["layers"])
+        assert r["restored"] == exported
+        assert r["tokens_after"] == r["tokens"]

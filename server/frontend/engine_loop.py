@@ -15,8 +15,9 @@ connects a DEALER to it. Messages are msgpack maps with a "type" (never pickle).
     error        {request_id, message, status}  (that request only; the loop goes on): status 400 for a
                                                 request the engine rejected, 500 for one that failed while running
     reply        {nonce, data}
-    placement    {data}                         (after each completed rebalance: the placement file's JSON,
-                                                balancer/placement_file.py; the front end keeps the last one)
+    placement    {data}                         (after each completed rebalance: the placement file's JSON for
+                                                every MoE layer, balancer/placement_file.py; the front end keeps
+                                                the last one; server/frontend/placement_handoff.py)
     heartbeat    {}                             (every HEARTBEAT_S, busy or idle)
 Front end -> engine:
     welcome      {placement: the last `placement` data it holds, or None}   (the job starts from it)
@@ -43,6 +44,7 @@ import msgpack
 import zmq
 
 from moe_serve.parallel import comm
+from moe_serve.server.frontend.placement_handoff import PlacementExport, start_from_placement
 
 HEARTBEAT_S = 0.5
 
@@ -131,23 +133,6 @@ def run_follower(engine_kwargs: dict) -> None:
     EngineLoop(engine, engine.expert_load_recorder, None, None).run()
 
 
-def start_from_placement(engine, placement: dict | None) -> None:
-    """Every rank, after loading: move to the placement a previous job exported and count its load (the front
-    end's welcome carries both to the leader, which broadcasts them), so a restarted job keeps what it learnt."""
-    state = engine.parallel
-    if state.cpu.size > 1:
-        placement = comm.broadcast_object(placement, state.cpu, src=0)
-    if placement is None or engine.rebalancer is None:
-        return
-    if state.config.pipeline_parallel_size > 1:
-        log.warning("a previous job's expert placement is not restored with pipeline parallelism")
-        return
-    # the exported load was summed over the DP ranks: the ranks of DP group 0 count it, the others add nothing
-    moved = engine.rebalancer.move_to(placement, count_load=state.dp.index == 0)
-    if state.rank == 0:
-        log.info("started from the previous job's expert placement (%d slots loaded) and load", moved)
-
-
 class EngineLoop:
     """One rank's engine loop. The leader (global rank 0, or the only rank) talks to the front end;
     under torchrun every other rank runs the same loop with `pull`/`push` None: each iteration the
@@ -164,9 +149,7 @@ class EngineLoop:
         self.reports = state.coords.pp_rank == 0 and state.coords.tp_rank == 0  # one rank per DP group
         self.next_dp_rank = 0
         self.has_work = False
-        rebalancer = engine.rebalancer
-        self.exported = rebalancer.num_rebalances if rebalancer is not None else 0  # rebalances sent out
-        self.export_placements = rebalancer is not None and state.config.pipeline_parallel_size == 1
+        self.placements = PlacementExport(engine)
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -200,15 +183,11 @@ class EngineLoop:
                     self.push.send(pack({"type": "heartbeat"}))
 
     def export_placement(self) -> None:
-        """Once a rebalance has moved every layer it planned: send the placement and the load it was
-        planned from to the front end, which hands it to the next job (every rank: the load is summed
-        over the DP ranks)."""
-        rb = self.engine.rebalancer
-        if not self.export_placements or rb.num_rebalances == self.exported or rb.pending:
-            return
-        self.exported = rb.num_rebalances
-        data = self.recorder.to_json("window", sum_over=self.dp)
-        if self.leader:
+        """Once a rebalance has moved every layer it planned: send the placement of every MoE layer and the
+        load it was planned from to the front end, which hands it to the next job (every rank takes part:
+        server/frontend/placement_handoff.py)."""
+        data = self.placements.after_step()
+        if data is not None and self.leader:
             self.push.send(pack({"type": "placement", "data": data}))
 
     def route(self, msg: dict) -> dict:
