@@ -51,8 +51,9 @@ def initial_placement(moe_layers: list[int], num_experts: int, num_slots: int, e
             rows = layer_rows(list(f["layer_ids"]), list(moe_layers))
             if rows is None:
                 raise ValueError(f"expert placement file covers layers {f['layer_ids']}; this stage has {moe_layers}")
-            f = {key: value[rows] if key in ("load", "phy2log") and value is not None else value
-                 for key, value in f.items()}
+            for key in ("load", "phy2log"):
+                if f[key] is not None:
+                    f[key] = f[key][rows]
         if f["phy2log"] is not None and f["phy2log"].shape == (len(moe_layers), num_slots):
             return {layer: f["phy2log"][j].tolist() for j, layer in enumerate(moe_layers)}
         if f["load"] is None:
