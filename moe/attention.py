@@ -5,7 +5,9 @@ compressed latent (C = kv_lora_rank) followed by the rotated shared rope key (R 
 Nothing per head is cached. Decode queries are absorbed into latent space with W_UK, scores are taken
 against the latent directly, and the attention output is lifted back out with W_UV. Prompt chunks, whose
 many queries share one context, decompress that context's latents into per-head keys and values instead
-and attend over those (fewer FLOPs there than in the absorbed form).
+and attend over those (fewer FLOPs there than in the absorbed form), unless the chunk is short for its
+context (`absorbed_is_cheaper`): then the runner describes its queries as decode rows, each seeing the
+context up to its own position.
 
 Legend: T = tokens in the step, N = (local) heads, C = kv_lora_rank, R = qk_rope_head_dim,
 Dn = qk_nope_head_dim, Dv = v_head_dim, L = context length, B = decode sequences, H = hidden size.
@@ -24,6 +26,21 @@ from moe_serve.moe.parallel_linear import ColumnParallelLinear, ReplicatedLinear
 
 
 __all__ = ["AttentionMetadata", "PrefillSeq", "MLAttention"]
+
+
+def absorbed_is_cheaper(num_query: int, context_len: int, cfg: ModelConfig) -> bool:
+    """Whether a chunk of `num_query` queries over `context_len` cached tokens costs fewer multiply-adds
+    per head in the absorbed (latent) form than with its context decompressed through kv_b_proj.
+
+    Decompressing costs L * C * (Dn + Dv) however few the queries; the absorbed form costs per query
+    Dn * C + C * Dv and per (query, key) pair C + R + C. A short chunk late in a long prompt (what a step
+    carries when prompts are spread over steps) is several times cheaper absorbed; a whole prompt is not.
+    """
+    Q, L, C, R = num_query, context_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    absorbed = Q * (Dn * C + C * Dv) + Q * L * (2 * C + R)
+    decompressed = L * C * (Dn + Dv) + Q * L * (Dn + R + Dv)
+    return absorbed < decompressed
 
 
 class MLAttention(nn.Module):

@@ -95,10 +95,25 @@ def test_preemption_and_prefix_cache_keep_tokens(checkpoint, preset):
     _assert_same(again, ref)
 
 
-def test_chunked_prefill_with_tiny_budget(checkpoint):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_chunked_prefill_with_tiny_budget(checkpoint, backend, monkeypatch):
+    """Chunks of 7 tokens: the first of each prompt decompresses its context, the later ones (short for
+    their context) attend in the absorbed form as decode rows, one per query."""
+    from moe_serve.server.core import runner
+
+    absorbed = []
+
+    def spy(num_query, context_len, cfg):
+        cheaper = runner_absorbed(num_query, context_len, cfg)
+        absorbed.append(cheaper)
+        return cheaper
+
+    runner_absorbed = runner.absorbed_is_cheaper
+    monkeypatch.setattr(runner, "absorbed_is_cheaper", spy)
     ckpt = checkpoint("v3")
-    llm, outs, ref = _run(ckpt, max_num_batched_tokens=7, max_num_seqs=3)
+    llm, outs, ref = _run(ckpt, max_num_batched_tokens=7, max_num_seqs=3, kernel_backend=_backend(backend))
     _assert_same(outs, ref)
+    assert True in absorbed and False in absorbed  # both forms ran
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

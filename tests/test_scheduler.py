@@ -199,3 +199,46 @@ def test_random_workload_invariants(seed):
     assert all(r.output_token_ids == [1] * 5 and r.num_computed_tokens == r.num_tokens - 1 for r in reqs)
     bm = s.block_manager
     assert bm.num_free_blocks == 24 and sum(bm.ref_counts) == 0 and bm.prefix_cache_hit_tokens > 0
+
+
+def test_prompt_tokens_per_step_meets_every_due_time():
+    from moe_serve.server.core.pacing import prompt_tokens_per_step
+
+    assert prompt_tokens_per_step([], 0.01) == 0
+    assert prompt_tokens_per_step([(128, 0.3)], 0.01) == 5        # 30 steps left: ceil(128 / 30)
+    # the second prompt is due sooner relative to what both need: 60 + 100 tokens in 10 steps
+    assert prompt_tokens_per_step([(60, 0.3), (100, 0.1)], 0.01) == 16
+    assert prompt_tokens_per_step([(40, -2.0)], 0.01) == 40      # overdue: all of it now
+    with pytest.raises(ValueError, match="step_seconds"):
+        prompt_tokens_per_step([(1, 1.0)], 0.0)
+
+
+def test_prompt_spread_paces_chunks_beside_running_decodes():
+    now = [0.0]
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, prompt_spread_s=1.0, min_prompt_chunk=4),
+                      BlockManager(128, 4), clock=lambda: now[0])
+    a = Request("a", [3] * 5, SamplingParams(), arrival_time=0.0)
+    sched.add_request(a)
+    step(sched)                       # no decode running: the whole prompt at once, nothing paced
+    sched.step_timer.observe(0.1)     # steps take 0.1 s: a prompt due in 1 s has 10 steps
+    b = Request("b", [4] * 100, SamplingParams(), arrival_time=0.0)
+    sched.add_request(b)
+    out = step(sched)
+    assert chunks(out) == [("a", 1), ("b", 10)]   # 100 tokens over 10 steps beside the running decode
+    now[0] = 0.5                      # 90 left, due in 0.5 s = 5 steps: 18 a step
+    assert chunks(step(sched)) == [("a", 1), ("b", 18)]
+    now[0] = 0.99                     # due within this step: the rest at once
+    assert chunks(step(sched)) == [("a", 1), ("b", 72)]
+    sched_off = make(max_num_batched_tokens=256)   # prompt_spread_s 0: the token budget only
+    add(sched_off, "a", [3] * 5)
+    step(sched_off)
+    sched_off.step_timer.observe(0.1)
+    add(sched_off, "b", [4] * 100)
+    assert chunks(step(sched_off)) == [("a", 1), ("b", 100)]
+
+
+def test_prompt_spread_config_validation():
+    with pytest.raises(ValueError, match="prompt_spread_s"):
+        SchedulerConfig(prompt_spread_s=-1)
+    with pytest.raises(ValueError, match="min_prompt_chunk"):
+        SchedulerConfig(min_prompt_chunk=0)

@@ -21,6 +21,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    prompt_spread_ms: float = 0.0  # while decodes run, spread a new prompt over steps for up to this long (scheduler)
     kv_cache_tokens: int = 32768
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -52,6 +53,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.prompt_spread_ms, (int, float)) or not 0 <= self.prompt_spread_ms <= 60_000:
+            raise ValueError(f"prompt_spread_ms must be between 0 (off) and 60000, got {self.prompt_spread_ms!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         self.eplb_config()  # validates the balancer fields

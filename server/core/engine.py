@@ -78,7 +78,7 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len), self.block_manager)
+            max_model_len=self.max_model_len, prompt_spread_s=config.prompt_spread_ms / 1e3), self.block_manager)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -151,7 +151,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty and self.parallel.world.size == 1:
             return []  # alone, an idle step does nothing; in a job it is a dummy batch for the collectives
+        t0 = time.perf_counter()
         result = self.runner.execute(sched)
+        self.scheduler.record_step(sched, time.perf_counter() - t0)
         self._record_prompt_logprobs(result.prompt_logprobs)
         outputs = self._update(sched, result.sampled)
         if self.expert_load_recorder is not None:

@@ -15,7 +15,7 @@ import torch
 
 from moe_serve.kernels import ops
 from moe_serve.kernels.select import select_backend
-from moe_serve.moe.attention import AttentionMetadata, PrefillSeq
+from moe_serve.moe.attention import AttentionMetadata, PrefillSeq, absorbed_is_cheaper
 from moe_serve.moe.config import ModelConfig
 from moe_serve.moe.loader import load_checkpoint
 from moe_serve.moe.model import DeepseekForCausalLM
@@ -124,6 +124,13 @@ class ModelRunner:
                 decode_idx.append(t0)
                 decode_tables.append(req.block_ids[:num_blocks])
                 decode_lens.append(end)
+            elif absorbed_is_cheaper(n, end, self.cfg):  # a short chunk: one decode row per query
+                token_ids.extend(req.all_token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+                decode_idx.extend(range(t0, t0 + n))
+                decode_tables.extend([req.block_ids[:num_blocks]] * n)
+                decode_lens.extend(range(start + 1, end + 1))
             else:
                 token_ids.extend(req.all_token_ids[start:end])
                 positions.extend(range(start, end))

@@ -7,10 +7,12 @@ conditions and `scheduler.finish_request(...)` the finished ones.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from moe_serve.server.core.block_manager import BlockManager
+from moe_serve.server.core.pacing import StepTimer, prompt_tokens_per_step
 from moe_serve.server.core.request import Request, RequestStatus
 
 
@@ -20,6 +22,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048     # token budget per step
     max_model_len: int = 4096              # longest prompt + output (enforced by the engine)
     long_prefill_token_threshold: int = 0  # 0 = none; else the most tokens one request computes a step
+    # While decodes run, a new prompt is spread over steps for up to this long (pacing.py): every step
+    # carries the same thin slice instead of one step a long chunk that stalls the running streams.
+    # 0 = each step takes as many prompt tokens as the token budget allows.
+    prompt_spread_s: float = 0.0
+    min_prompt_chunk: int = 16  # spread or not, a step with prompts pending gives them at least this many tokens
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -29,6 +36,10 @@ class SchedulerConfig:
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be 0 (no cap) or a positive integer, "
                              f"got {self.long_prefill_token_threshold!r}")
+        if not isinstance(self.prompt_spread_s, (int, float)) or not 0 <= self.prompt_spread_s < 3600:
+            raise ValueError(f"prompt_spread_s must be 0 (off) or a number of seconds, got {self.prompt_spread_s!r}")
+        if not isinstance(self.min_prompt_chunk, int) or self.min_prompt_chunk < 1:
+            raise ValueError(f"min_prompt_chunk must be a positive integer, got {self.min_prompt_chunk!r}")
 
 
 @dataclass
@@ -49,8 +60,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock=time.monotonic) -> None:
         self.config = config
+        self.clock = clock                 # the clock of Request.arrival_time
+        self.step_timer = StepTimer()      # recent step time, fed by the engine (record_step)
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -74,11 +87,31 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, request: Request, budget: int) -> int:
+    def _chunk(self, request: Request, budget: int, prompt_budget: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if self.config.long_prefill_token_threshold > 0:
-            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        if num_new > 1:   # a prompt chunk (a decode is never held back)
+            num_new = min(num_new, prompt_budget)
+            if self.config.long_prefill_token_threshold > 0:
+                num_new = min(num_new, self.config.long_prefill_token_threshold)
         return num_new
+
+    def _prompt_budget(self) -> int:
+        """Prompt tokens this step may carry beside its decodes (pacing.py); the token budget bounds them too."""
+        cfg = self.config
+        left = [r.num_tokens - r.num_computed_tokens for r in self.running]
+        if cfg.prompt_spread_s == 0 or self.step_timer.seconds is None or 1 not in left:
+            return cfg.max_num_batched_tokens  # nothing to pace, or no running stream to protect
+        now = self.clock()
+        pending = [(n, r.arrival_time + cfg.prompt_spread_s - now) for r, n in zip(self.running, left) if n > 1]
+        room = cfg.max_num_seqs - len(self.running)
+        pending += [(r.num_tokens - r.num_computed_tokens, r.arrival_time + cfg.prompt_spread_s - now)
+                    for r in list(self.waiting)[:room]]
+        return max(cfg.min_prompt_chunk, prompt_tokens_per_step(pending, self.step_timer.seconds))
+
+    def record_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """The engine ran `scheduler_output` in `seconds` (what the prompt spreading paces by)."""
+        if not scheduler_output.is_empty:
+            self.step_timer.observe(seconds)
 
     def _check_fits(self, request: Request, num_tokens: int) -> None:
         bm = self.block_manager
@@ -106,13 +139,18 @@ class Scheduler:
         # Worked example, budget 8, block_size 4: running = [A (decode, 1 token left),
         # B (prompt 20, 4 computed)], waiting = [C (prompt 6)]:
         #   A: 1 token (budget 7), B: 7 tokens (budget 0), C: not admitted (no budget this step).
+        #
+        # With prompt_spread_s, prompt chunks also share `prompt_budget` while decodes run: the same thin
+        # slice every step that finishes each prompt by arrival + spread (pacing.py). Decodes are never
+        # held back; a prompt that gets no tokens this step keeps its place.
         budget = self.config.max_num_batched_tokens
+        prompt_budget = self._prompt_budget()
         out = SchedulerOutput()
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk(request, budget)
+            num_new = self._chunk(request, budget, prompt_budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -126,11 +164,13 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
+                if num_new > 1:
+                    prompt_budget -= num_new
                 i += 1
                 continue
             break   # `request` preempted itself: it was the last running request
 
-        while (not out.preempted and self.waiting and budget > 0
+        while (not out.preempted and self.waiting and budget > 0 and prompt_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             self._check_fits(request, request.num_tokens)
@@ -141,7 +181,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if first_time:
                 request.num_cached_tokens = num_hit
-            num_new = self._chunk(request, budget)
+            num_new = self._chunk(request, budget, prompt_budget)
             if not self.block_manager.allocate_slots(request, num_new):
                 self.block_manager.free(request)   # give back the prefix blocks it took
                 request.num_computed_tokens = 0
@@ -157,6 +197,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            prompt_budget -= num_new
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
