@@ -12,6 +12,8 @@ reference of kernels/backend_torch.py.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -21,14 +23,28 @@ from moe_serve.kernels.layer_spec import DecoderLayerSpec
 from moe_serve.kernels.ops import MLPWeights
 from moe_serve.kernels.routing import RouterConfig
 
+log = logging.getLogger(__name__)
+
 
 def _kernel_weight(w: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """A weight the C kernels widen as they compute: bf16 without scales, or block FP8 with its scales."""
     return (w.dtype == torch.bfloat16 and scale is None) or (w.dtype == torch.float8_e4m3fn and scale is not None)
 
 
+def _linear_shapes(model: torch.nn.Module, most: int = 4) -> list[tuple[int, int]]:
+    """The (out, in) shapes of the model's bf16 linear weights that hold the most parameters in all, up to `most`."""
+    count: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Module) and isinstance(w, torch.Tensor) and w.dim() == 2 \
+                and w.dtype == torch.bfloat16 and not isinstance(module, torch.nn.Embedding):
+            count[tuple(w.shape)] = count.get(tuple(w.shape), 0) + w.numel()
+    return sorted(count, key=count.get, reverse=True)[:most]
+
+
 class CpuBackend(TorchBackend):
     name = "cpu"
+    linear_row_limit = cpu_bf16w.MAX_ROWS  # until prepare() measures it
 
     def __init__(self, device: torch.device | str = "cpu", fp8_block: tuple[int, int] | None = None):
         super().__init__(device, fp8_block)
@@ -54,6 +70,9 @@ class CpuBackend(TorchBackend):
         for p in model.parameters():
             if p.dim() == 1 and p.is_floating_point() and p.dtype != torch.float32:
                 p.data = p.data.float()
+        self.linear_row_limit = cpu_bf16w.kernel_row_limit(_linear_shapes(model))
+        log.info("cpu backend: linears of bf16 weights take the C kernel up to %d rows, MKL on a widened copy "
+                 "beyond (measured on this machine)", self.linear_row_limit)
 
     def fused_decode_layer(self, spec: DecoderLayerSpec):
         """The whole layer in one C call (csrc/decode_layer.c), or None where it does not apply: tensor or
@@ -98,6 +117,8 @@ class CpuBackend(TorchBackend):
         return F.embedding(ids_T, weight_VH).float()
 
     def linear(self, x_TI, w_OI, scale_inv=None, bias_O=None) -> torch.Tensor:
+        if scale_inv is None and x_TI.numel() > self.linear_row_limit * x_TI.shape[-1]:
+            return super().linear(x_TI, w_OI, scale_inv, bias_O)  # many rows of a bf16 weight: MKL (measured)
         if _kernel_weight(w_OI, scale_inv) and x_TI.dtype == torch.float32:
             return cpu_bf16w.linear(x_TI, w_OI, bias_O, scale_inv, self.fp8_block)
         return super().linear(x_TI, w_OI, scale_inv, bias_O)

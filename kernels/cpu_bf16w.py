@@ -24,6 +24,8 @@ Legend: M rows, K in features, O out features, B batch (heads)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -88,6 +90,42 @@ def linear(x_TK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None =
     if bias_O is not None:
         y_MO += bias_O
     return y_MO if x_TK.dim() == 2 else y_MO.view(*x_TK.shape[:-1], w_OK.shape[0])
+
+
+def kernel_row_limit(shapes_OK: list[tuple[int, int]], candidates: tuple[int, ...] = (64, 128, 256, 512),
+                     repeats: int = 3) -> int:
+    """The most rows for which the kernel is at least as fast as MKL on a widened copy, measured on this
+    machine for these bf16 weight shapes (their times summed); rows above that go to MKL.
+
+    Where the two cross differs between machines: on one AVX2 VM the kernel led up to a few hundred rows
+    (docs/benchmarks.md, run 6), on another MKL on the widened copy was 5-40% faster from 128-256 rows
+    (2026-12-05). Measured once, when the backend prepares the model (well under a second for the
+    benchmark model's shapes, milliseconds for tiny ones)."""
+    if not available() or not shapes_OK:
+        return MAX_ROWS
+    gen = torch.Generator().manual_seed(0)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    limit = candidates[0]
+    for rows in candidates:
+        kernel_s = mkl_s = 0.0
+        for O, K in shapes_OK:
+            x = torch.randn(rows, K, generator=gen)
+            w = torch.randn(O, K, generator=gen).to(torch.bfloat16)
+            kernel_s += best(lambda: linear(x, w))
+            mkl_s += best(lambda: reference(x, w))
+        if mkl_s < 0.95 * kernel_s:
+            return limit
+        limit = rows
+    return MAX_ROWS
 
 
 def mm_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor, scale_inv: torch.Tensor | None = None,

@@ -4,11 +4,18 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 4 --kernels   # time per C kernel
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step.py --running 4 --kernels --layer-by-layer
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 1 4 --bound   # against memory bandwidth
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 1 4 --phases  # engine phases, per layer
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 4 --profile   # torch ops (torch.profiler)
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running --prefill 64 256 1024  # against matmul peak
 
 Builds the benchmark checkpoint if missing (.cache/bench), adds N requests of random 64-192 token prompts,
 prefills them all, then times --steps decode steps and prints the median and minimum per N. --kernels
 also times every call into the CPU kernel ops (kernels/cpu_build.py; the cpu kernel backend)
-and prints each one's milliseconds per decode step; the rest of the step is torch ops and Python.
+and prints each one's milliseconds per decode step; the rest of the step is torch ops and Python. --phases
+splits the step into the engine's phases (schedule, input preparation, model forward, logits, sampling,
+update) and the forward into its decoder layers; --profile prints torch.profiler's top ops. --prefill N
+times a step that computes one N-token prompt alone, counts its multiply-adds from the model's shapes,
+and reports it as a fraction of the machine's matmul peak (one large GEMM, measured in the same run).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ def main() -> None:
     ap.add_argument("--model", default=".cache/bench")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
-    ap.add_argument("--running", type=int, nargs="+", default=[1, 12, 64])
+    ap.add_argument("--running", type=int, nargs="*", default=[1, 12, 64])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--kernels", action="store_true", help="also time each CPU kernel (ms per decode step)")
@@ -43,6 +50,10 @@ def main() -> None:
     ap.add_argument("--layer-by-layer", action="store_true",
                     help="decode steps call each kernel from Python, not one C call per layer (kernels/cpu_decode_layer.py): "
                          "with --kernels, the time of each kernel inside a layer")
+    ap.add_argument("--phases", action="store_true", help="time the engine's phases and each decoder layer")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler's top ops over the decode steps")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[],
+                    help="prompt lengths: time a step computing one such prompt alone, against the matmul peak")
     args = ap.parse_args()
     kernel_s = time_kernels() if args.kernels else None
     if args.model == ".cache/bench":
@@ -54,7 +65,13 @@ def main() -> None:
         for layer in engine.runner.model.model.layers:
             layer.fast_decode = None
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
-    print(f"{args.model} {args.dtype}, kernel backend {args.kernel_backend}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
+    from moe_serve.kernels import ops
+
+    limit = getattr(ops.backend(), "linear_row_limit", None)
+    print(f"{args.model} {args.dtype}, kernel backend {ops.backend().name}"
+          + (f" (C linear kernel up to {limit} rows)" if limit else "")
+          + f", {torch.get_num_threads()} thread(s), torch {torch.__version__}")
+    phase_s = time_phases(engine) if args.phases else None
     bandwidth = read_bandwidth() if args.bound else None
     if bandwidth is not None:
         print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (sum of 512 MiB, best of 7, {torch.get_num_threads()} thread(s))")
@@ -72,14 +89,20 @@ def main() -> None:
             engine.step()
         prefill = time.perf_counter() - t0
         times, read = [], []
-        if kernel_s is not None:
-            kernel_s.clear()
+        for counter in (kernel_s, phase_s):
+            if counter is not None:
+                counter.clear()
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+        if profiler is not None:
+            profiler.__enter__()
         for _ in range(args.steps):
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
             if bandwidth is not None:
                 read.append(step_bytes(engine, ids))
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
         for r in ids:
             engine.abort_request(r)
         median = statistics.median(times)
@@ -93,6 +116,112 @@ def main() -> None:
             print("         kernels, ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                           sorted(per_step.items(), key=lambda kv: -kv[1]))
                   + f"; the rest (torch ops, Python) {rest:.2f}")
+        if phase_s is not None:
+            print_phases(phase_s, sum(times), args.steps)
+        if profiler is not None:
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if args.prefill:
+        prefill_against_peak(engine, args.prefill, args.seed)
+
+
+def time_phases(engine) -> collections.Counter:
+    """Wrap the engine's phases and each decoder layer in timers; returns the seconds spent in each."""
+    from moe_serve.server.core import runner as runner_module
+
+    spent = collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            spent[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    run, model = engine.runner, engine.runner.model
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    run._prepare = timed("prepare inputs", run._prepare)
+    model.forward = timed("model forward", model.forward)
+    model.compute_logits = timed("logits (lm head)", model.compute_logits)
+    runner_module.sample = timed("sample", runner_module.sample)
+    engine._update = timed("update (stop checks, outputs)", engine._update)
+    for i, layer in enumerate(model.model.layers):
+        layer.forward = timed(f"layer {i}", layer.forward)
+    return spent
+
+
+def print_phases(spent: collections.Counter, total_s: float, steps: int) -> None:
+    phases = {k: v for k, v in spent.items() if not k.startswith("layer ")}
+    layers = {k: v for k, v in spent.items() if k.startswith("layer ")}
+    other = total_s - sum(phases.values())
+    print("         phases, ms per step: " + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in phases.items())
+          + f", the rest of the step (recorder, balancer hook, Python) {other / steps * 1e3:.2f}")
+    in_layers = sum(layers.values())
+    print("         decoder layers, ms per step: " + ", ".join(f"{k.split()[1]}: {v / steps * 1e3:.2f}" for k, v in layers.items())
+          + f"; forward outside the layers (embedding, final norm) {(phases['model forward'] - in_layers) / steps * 1e3:.2f}")
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048) -> float:
+    """Multiply-add FLOP/s of one n x n x n matmul in `dtype` (best of 5, the engine's threads)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def prompt_flops(cfg, num_tokens: int) -> float:
+    """FLOPs (2 per multiply-add) of computing one `num_tokens` prompt from scratch, from the model's shapes:
+    every linear once per token (a MoE layer: the gate, top-k routed experts and the shared ones), kv_b_proj
+    over the context (the decompressed form prompts attend in), and attention over the whole L x L score
+    matrix (the kernel computes it all, then masks the future). The lm head for the last token only."""
+    H, N, C, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    Dn, Dv, T = cfg.qk_nope_head_dim, cfg.v_head_dim, num_tokens
+    qk = Dn + R
+    q = H * N * qk if cfg.q_lora_rank is None else H * cfg.q_lora_rank + cfg.q_lora_rank * N * qk
+    per_token_attn = q + H * (C + R) + N * Dv * H
+    total = 0.0
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            experts = cfg.num_experts_per_tok + (cfg.n_shared_experts or 0)
+            mlp = 3 * H * cfg.moe_intermediate_size * experts + H * cfg.n_routed_experts
+        else:
+            mlp = 3 * H * cfg.intermediate_size
+        total += 2 * T * (per_token_attn + mlp) + 2 * T * C * N * (Dn + Dv) + 2 * N * T * T * (qk + Dv)
+    return total + 2 * H * cfg.vocab_size
+
+
+def prefill_against_peak(engine, lengths: list[int], seed: int, repeats: int = 5) -> None:
+    from moe_serve.server import SamplingParams
+
+    peaks = {"float32": matmul_peak(torch.float32)}
+    if {"avx512_bf16", "amx_bf16"} & set(Path("/proc/cpuinfo").read_text().split()):
+        peaks["bfloat16"] = matmul_peak(torch.bfloat16)
+    peak_name, peak = max(peaks.items(), key=lambda kv: kv[1])
+    print("matmul peak (2048^3, best of 5): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+          + f"; fractions below are of the {peak_name} one")
+    print(f"{'prompt':>8} {'step median ms':>15} {'GFLOP':>8} {'GFLOP/s':>8} {'of peak':>8}")
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(seed)
+    for n in lengths:
+        if n > engine.config.max_num_batched_tokens:
+            raise SystemExit(f"--prefill {n}: above the token budget {engine.config.max_num_batched_tokens}")
+        times = []
+        for r in range(repeats + 1):
+            prompt = torch.randint(0, engine.model_config.vocab_size, (n,), generator=g).tolist()
+            rid = engine.add_request(prompt, params, request_id=f"prefill-{n}-{r}")
+            t0 = time.perf_counter()
+            engine.step()
+            if r:  # the first one warms up
+                times.append(time.perf_counter() - t0)
+            if rid in engine.requests:
+                engine.abort_request(rid)
+        median = statistics.median(times)
+        flops = prompt_flops(engine.model_config, n)
+        print(f"{n:>8} {median * 1e3:>15.1f} {flops / 1e9:>8.2f} {flops / median / 1e9:>8.1f} {flops / median / peak:>8.2f}")
 
 
 def read_bandwidth(num_bytes: int = 1 << 29) -> float:

@@ -127,3 +127,20 @@ def test_fp8_tensor_without_its_scale_fails_before_loading(checkpoint, tmp_path)
     with pytest.raises(ValueError, match=f"missing tensor {name} \\(the block scales of FP8 weight "
                                          r"model.layers.1.mlp.experts.2.down_proj.weight in model-"):
         LLM(dst, dtype="float32")
+
+
+def test_cpu_linear_row_limit_routes_many_rows_to_mkl():
+    """Past the row limit measured at load (cpu_bf16w.kernel_row_limit), a bf16 linear runs MKL on a widened
+    copy (the torch reference, bit for bit); up to it, the C kernel (equal to float32 rounding)."""
+    if not cpu_build.available():
+        pytest.skip(f"CPU kernels: {cpu_build.unavailable_reason()}")
+    from moe_serve.kernels import cpu_bf16w
+
+    limit = cpu_bf16w.kernel_row_limit([(48, 32)], candidates=(4, 8))
+    assert limit in (4, 8, cpu_bf16w.MAX_ROWS)
+    backend = CpuBackend()
+    backend.linear_row_limit = 4
+    w = torch.randn(48, 32).to(torch.bfloat16)
+    many, few = torch.randn(9, 32), torch.randn(3, 32)
+    assert torch.equal(backend.linear(many, w), torch.nn.functional.linear(many, w.float()))
+    torch.testing.assert_close(backend.linear(few, w), torch.nn.functional.linear(few, w.float()), rtol=1e-5, atol=1e-5)
