@@ -199,7 +199,8 @@ def moe_spec(ckpt: Path, args: argparse.Namespace, name: str = "moe", venv: Path
     port = free_port()
     cmd = [str(venv / "bin" / "python"), "-m", "moe_serve.server", "serve", str(ckpt),
            "--dtype", best_dtype("moe", args.moe_dtype),
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, *shlex.split(args.moe_args)]
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+           *shlex.split(args.moe_base_args if name != "moe" and args.moe_base_args is not None else args.moe_args)]
     versions = {"moe-serve": bench._version("moe-serve"), "git_commit": bench.git_commit(),
                 "torch": bench._version("torch"), "triton": bench._version("triton")}
     if name != "moe":
@@ -552,6 +553,8 @@ def main() -> int:
                     choices=["moe", "moe-base", "vllm", "vllm-auto", "transformers"])
     ap.add_argument("--moe-base-venv", default=None,
                     help="moe-base: our server from this venv (another checkout's .venv), under the same load")
+    ap.add_argument("--moe-base-args", default=None,
+                    help="moe-base's server flags (default --moe-args): with --moe-base-venv .venv, an A/B of two settings")
     ap.add_argument("--moe-base-model", default=None,
                     help="moe-base serves this checkpoint (default --model): e.g. the same one in FP8, same vocabulary")
     ap.add_argument("--request-rates", type=float, nargs="+", default=[4, 6, 8, 12, math.inf])
