@@ -249,7 +249,9 @@ def test_decode_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatc
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     got, want = fused.generate(prompts, params), plain.generate(prompts, params)
-    assert calls and max(calls) == len(prompts)  # decode steps of all three sequences went through it
+    # decode steps of all three sequences went through it (and steps whose prompt chunks were short enough to
+    # attend as decode rows, one per query: moe/attention.py absorbed_is_cheaper)
+    assert len(prompts) in calls
     for a, b in zip(got, want):
         a, b = a.outputs[0], b.outputs[0]
         assert a.token_ids == b.token_ids
