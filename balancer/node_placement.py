@@ -24,7 +24,7 @@ as few moves across nodes as bring the node loads under the loosest cap that wor
 candidates of step 1 with the loosest node cap that works. Each layer keeps, among the candidates that
 reach the balance target under the node-local rule, the one with the fewest cross-node rows per token,
 estimated on tokens sampled from its load and routed as the model routes (another candidate must save
-_ANCHOR_EDGE rows to replace an anchor that reaches the target: smaller savings are sample noise). A layer
+_ANCHOR_EDGE rows to replace a grouped layout that reaches the target: smaller savings are sample noise). A layer
 that none reaches takes the best balanced of them (or the global plan), then swaps across nodes while they
 raise its balance toward the target, and the global plan with whole GPUs traded between nodes competes.
 
@@ -42,9 +42,9 @@ from moe_serve.balancer.packing import align, improve, lpt, match_blocks, per_gp
 _SET_ABOVE = (0.0, 1.0, 4.0, float("inf"))  # x mean GPU load: experts this hot grow in node sets
 _CAP_MARGINS = (0.0, 0.02)  # node load cap: mean node load / (target + margin), tried in turn
 _SAMPLE_TOKENS = 1024  # tokens per layer that estimate a candidate's cross-node rows
-_ANCHOR_EDGE = 0.01  # cross-node rows per token another candidate must save to replace the grouped layout
+_ANCHOR_EDGE = 0.01  # cross-node rows per token another candidate must save to replace a grouped layout
 _NEAR = 0.05  # balancedness below the target from which the grouped layout tries moves across nodes
-_GROUPED_MARGINS = (0.0, 0.005, 0.01, 0.02)  # grouped layout's node load cap: mean / (target + margin), in turn
+_GROUPED_MARGINS = (0.0, 0.005, 0.01)  # grouped layout's node load cap: mean / (target + margin), in turn
 
 
 def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_LEE: torch.Tensor, num_groups: int,
@@ -102,17 +102,20 @@ def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_L
 
         anchor_LR = grouped(all_L, None)
         anchored_L = offer(all_L, anchor_LR)
-        remote_L[anchored_L] -= _ANCHOR_EDGE  # where the anchor reaches the target, beat it by this or keep it
+        remote_L[anchored_L] -= _ANCHOR_EDGE  # where a grouped layout reaches the target, beat it by this or keep it
         short = all_L[~anchored_L & ~offer(all_L, grouped(all_L, 0.0, move=False))]
         near_L = node_local_balancedness(weight_LE, anchor_LR, num_gpus, num_nodes) >= target_L - _NEAR
         short = short[near_L[short]]  # a few moves across nodes can reach the target from there
+        tries = short
         if len(short):
             short = short[~offer(short, _swaps(anchor_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))]
-        for margin in _GROUPED_MARGINS:
-            if len(short):
-                short = short[~offer(short, grouped(short, margin))]
+        for margin in _GROUPED_MARGINS:  # also where the swaps reached the target: fewer rows may leave their group
+            if len(tries):
+                ok_T = offer(tries, grouped(tries, margin))
+                short, tries = short[~torch.isin(short, tries[ok_T])], tries[~ok_T]
         if len(short):  # swaps on the whole GPUs
             offer(short, _swap_across_nodes(anchor_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))
+        remote_L[met_L & ~anchored_L & (plan_LR != fallback_LR).any(1)] -= _ANCHOR_EDGE
     gpu_mean_L = weight_LE.double().sum(1) / num_gpus
     tried = []
     for cand_LE in [node_set_counts(weight_LE, num_slots, num_gpus, num_nodes, a) for a in _SET_ABOVE] + [counts_LE]:
