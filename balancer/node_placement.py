@@ -17,25 +17,34 @@ other nodes' tokens away, to any of them. So:
      is above the cap, the swap of two of them between it and another node that loses the least affinity;
   3. GPUs: each node's replicas packed onto its GPUs (LPT, then swaps, then also moves of a node's spare
      replica to another expert on that node: a hot expert with one node gets a second replica there).
-Candidates: EPLB's hierarchical layout (whole groups on nodes, replicas within a node; with a few swaps
-across nodes where it misses the target), then the replica-count candidates of step 1 with the loosest node
-cap that works. Each layer keeps, among the candidates that reach the balance target under the node-local
-rule, the one with the fewest cross-node rows per token, estimated on tokens sampled from its load and
-routed as the model routes. A layer that none reaches takes the best balanced of them (or the global plan),
-then swaps across nodes while they raise its balance toward the target.
+Candidates: the grouped layout (balancer/grouped_layout.py: whole groups on nodes, replicas within a node,
+as EPLB's hierarchical policy; the anchor), the same with groups used together on one node, and, where the
+anchor misses the target by a little, the anchor with the cheapest swaps (balancer/node_swaps.py) or with
+as few moves across nodes as bring the node loads under the loosest cap that works; then the replica-count
+candidates of step 1 with the loosest node cap that works. Each layer keeps, among the candidates that
+reach the balance target under the node-local rule, the one with the fewest cross-node rows per token,
+estimated on tokens sampled from its load and routed as the model routes (another candidate must save
+_ANCHOR_EDGE rows to replace a grouped layout that reaches the target: smaller savings are sample noise). A layer
+that none reaches takes the best balanced of them (or the global plan), then swaps across nodes while they
+raise its balance toward the target, and the global plan with whole GPUs traded between nodes competes.
 
 Shape legend: L layers, E experts, R slots, G GPUs, N nodes, P = R // N slots per node, B = L * N rows.
 """
 
 import torch
 
+from moe_serve.balancer.grouped_layout import grouped_counts
 from moe_serve.balancer.locality import (node_counts, node_local_balancedness, remote_nodes_per_token, replica_loads,
                                          sample_routed_tokens)
+from moe_serve.balancer.node_swaps import regroup_gpus, swap_to_target
 from moe_serve.balancer.packing import align, improve, lpt, match_blocks, per_gpu_cap
 
 _SET_ABOVE = (0.0, 1.0, 4.0, float("inf"))  # x mean GPU load: experts this hot grow in node sets
 _CAP_MARGINS = (0.0, 0.02)  # node load cap: mean node load / (target + margin), tried in turn
 _SAMPLE_TOKENS = 1024  # tokens per layer that estimate a candidate's cross-node rows
+_ANCHOR_EDGE = 0.01  # cross-node rows per token another candidate must save to replace a grouped layout
+_NEAR = 0.05  # balancedness below the target from which the grouped layout tries moves across nodes
+_GROUPED_MARGINS = (0.0, 0.005, 0.01)  # grouped layout's node load cap: mean / (target + margin), in turn
 
 
 def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_LEE: torch.Tensor, num_groups: int,
@@ -76,13 +85,37 @@ def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_L
     all_L = torch.arange(num_layers)
     if num_groups >= num_nodes and num_groups % num_nodes == 0 and num_logical % num_groups == 0:
         # whole groups on nodes, replicas only within a node (EPLB's hierarchical layout), then, where that
-        # misses the target, with a few swaps across nodes
-        count_LEN = torch.stack([_grouped_counts(weight_LE[l], num_groups, num_nodes, num_slots // num_nodes)
-                                 for l in range(num_layers)])
-        trial_LR = _pack_nodes(weight_LE, count_LEN, num_gpus)
-        short = all_L[~offer(all_L, trial_LR)]
+        # misses the target, with as few moves across nodes as bring the node loads under a cap. How often two
+        # groups serve one token comes from a sample of its own (not the one that judges candidates).
+        size = num_logical // num_groups
+        together_LGG = [None] * num_layers if num_groups == num_nodes else [
+            _used_together(sample_routed_tokens(w_E, _SAMPLE_TOKENS, topk, num_groups, topk_group, gen) // size,
+                           num_groups) for w_E in weight_LE]
+
+        def grouped(rows: torch.Tensor, margin: float | None, move: bool = True) -> torch.Tensor:
+            caps = [float("inf")] * len(rows) if margin is None else (
+                weight_LE[rows].double().sum(1) / num_nodes / (target_L[rows] + margin)).tolist()
+            count_TEN = torch.stack([grouped_counts(weight_LE[l], num_groups, num_nodes, num_slots // num_nodes, cap,
+                                                    None if margin is None else together_LGG[l], move)
+                                     for l, cap in zip(rows.tolist(), caps)])
+            return _pack_nodes(weight_LE[rows], count_TEN, num_gpus)
+
+        anchor_LR = grouped(all_L, None)
+        anchored_L = offer(all_L, anchor_LR)
+        remote_L[anchored_L] -= _ANCHOR_EDGE  # where a grouped layout reaches the target, beat it by this or keep it
+        short = all_L[~anchored_L & ~offer(all_L, grouped(all_L, 0.0, move=False))]
+        near_L = node_local_balancedness(weight_LE, anchor_LR, num_gpus, num_nodes) >= target_L - _NEAR
+        short = short[near_L[short]]  # a few moves across nodes can reach the target from there
+        tries = short
         if len(short):
-            offer(short, _swap_across_nodes(trial_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))
+            short = short[~offer(short, _swaps(anchor_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))]
+        for margin in _GROUPED_MARGINS:  # also where the swaps reached the target: fewer rows may leave their group
+            if len(tries):
+                ok_T = offer(tries, grouped(tries, margin))
+                short, tries = short[~torch.isin(short, tries[ok_T])], tries[~ok_T]
+        if len(short):  # swaps on the whole GPUs
+            offer(short, _swap_across_nodes(anchor_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))
+        remote_L[met_L & ~anchored_L & (plan_LR != fallback_LR).any(1)] -= _ANCHOR_EDGE
     gpu_mean_L = weight_LE.double().sum(1) / num_gpus
     tried = []
     for cand_LE in [node_set_counts(weight_LE, num_slots, num_gpus, num_nodes, a) for a in _SET_ABOVE] + [counts_LE]:
@@ -102,7 +135,27 @@ def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_L
     short = all_L[~met_L]
     if len(short):  # still short of the target: swaps across nodes on the best plan
         offer(short, _swap_across_nodes(plan_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))
+    short = all_L[~met_L]
+    if len(short):
+        offer(short, _swaps(plan_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))
+    short = all_L[~met_L]
+    if len(short):  # the global plan with its GPUs traded between nodes
+        offer(short, torch.stack([regroup_gpus(fallback_LR[l], weight_LE[l], num_gpus, num_nodes, float(target_L[l]))
+                                  for l in short.tolist()]))
     return plan_LR
+
+
+def _used_together(group_TK: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """together_GG: the share of tokens that use both groups (the diagonal: each group's share)."""
+    used_TG = torch.zeros(group_TK.shape[0], num_groups).scatter_(1, group_TK, 1.0)
+    return used_TG.T @ used_TG / max(1, group_TK.shape[0])
+
+
+def _swaps(plan_TR: torch.Tensor, weight_TE: torch.Tensor, num_nodes: int, num_gpus: int, target_T: torch.Tensor
+           ) -> torch.Tensor:
+    """Each row's plan after the swaps of balancer/node_swaps.py that cost the least locality."""
+    return torch.stack([swap_to_target(p_R, w_E, num_gpus, num_nodes, float(t))
+                        for p_R, w_E, t in zip(plan_TR, weight_TE, target_T)])
 
 
 def _remote(tokens_L: list[torch.Tensor], src_T: torch.Tensor, plan_TR: torch.Tensor, rows: torch.Tensor,
@@ -147,30 +200,6 @@ def node_set_counts(weight_LE: torch.Tensor, num_slots: int, num_gpus: int, num_
         counts_LE[layers_L[go_L], pick_L[go_L]] += 1
         left_L -= go_L.long()
     return counts_LE
-
-
-def _grouped_counts(weight_E: torch.Tensor, num_groups: int, num_nodes: int, slots_per_node: int) -> torch.Tensor:
-    """count_EN for one layer: whole groups onto nodes (heaviest group first onto the lightest node with room
-    for a group), each node's spare slots to its experts with the most load per replica."""
-    num_logical = weight_E.shape[0]
-    weight_E = weight_E.double()
-    group_E = torch.arange(num_logical) // (num_logical // num_groups)
-    group_load = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_E, weight_E)
-    node_load = torch.zeros(num_nodes, dtype=torch.float64)
-    room = torch.full((num_nodes,), num_groups // num_nodes)
-    node_of_group = torch.empty(num_groups, dtype=torch.int64)
-    for g in group_load.argsort(descending=True, stable=True).tolist():
-        n = int(node_load.masked_fill(room == 0, float("inf")).argmin())
-        node_of_group[g], node_load[n], room[n] = n, node_load[n] + group_load[g], room[n] - 1
-    node_E = node_of_group[group_E]
-    counts_E = torch.ones(num_logical, dtype=torch.int64)
-    for n in range(num_nodes):
-        mine = (node_E == n).nonzero().flatten()
-        for _ in range(slots_per_node - len(mine)):
-            counts_E[mine[(weight_E[mine] / counts_E[mine]).argmax()]] += 1
-    count_EN = torch.zeros(num_logical, num_nodes, dtype=torch.int64)
-    count_EN[torch.arange(num_logical), node_E] = counts_E
-    return count_EN
 
 
 def _node_counts(weight_TE: torch.Tensor, counts_TE: torch.Tensor, affinity_TEE: torch.Tensor, num_groups: int,

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_node_placement.py            # 58 layers, 3 windows per load (minutes)
     .venv/bin/python scripts/bench_node_placement.py --quick    # 6 layers, 2 windows: a smoke run
+    .venv/bin/python scripts/bench_node_placement.py --rows 4,6 # only those table rows (0-based)
 
 Loads are DeepSeek-V3-shaped: 256 experts in 8 groups of 32, and each token routed as V3 routes
 (group-limited: the 4 groups with the best sum of their top-2 expert scores, then the top 8 experts
@@ -98,6 +99,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="6 layers, 2 windows")
+    parser.add_argument("--rows", help="only these table rows, 0-based and comma-separated (0-11: deployment x load "
+                                       "in table order), e.g. 4,6 for the 8-node uniform and Zipf 1.4 rows")
     parser.add_argument("--eplb", metavar="PATH", help="a checkout of deepseek-ai/EPLB (default: vLLM's package)")
     parser.add_argument("--vllm-venv", help="the vLLM venv to import EPLB from (default: .cache/vllm-venv)")
     opts = parser.parse_args()
@@ -113,8 +116,11 @@ def main() -> None:
           "| cross-node KB per token: EPLB hier / ours | target |")
     print("|---|---|---|---|---|---|")
     all_ok = True
+    rows = None if opts.rows is None else {int(r) for r in opts.rows.split(",")}
     for d, dep in enumerate(DEPLOYMENTS):
         for i, (load, (kind, sigma)) in enumerate(LOADS.items()):
+            if rows is not None and d * len(LOADS) + i not in rows:
+                continue
             r = run_row(dep, kind, sigma, opts.windows, opts.layers, opts.seed * 1000 + d * 10 + i, eplb)
             ok = r["ours remote"] <= r["hier remote"] + 1e-9 and r["ours bal"] >= r["global bal"] - 0.01
             all_ok &= ok

@@ -123,3 +123,46 @@ def test_moe_plan_reports_cross_node_rows_on_several_nodes():
     assert "cross-node rows per token" in format_what_if(report) and "KiB" in format_what_if(report)
     with pytest.raises(ValueError, match="3 nodes must divide the 16 EP ranks"):
         what_if(weight, 16, 16, num_nodes=3)
+
+
+def test_grouped_layout_moves_little_across_nodes_to_reach_a_node_cap():
+    from moe_serve.balancer.grouped_layout import grouped_counts
+    from moe_serve.balancer.locality import replica_loads
+
+    weight = torch.ones(E, dtype=torch.float64)
+    weight[:8] = 1.3  # group 0 is the heaviest: one node above the cap
+    for slots_per_node, nodes in ((10, 8), (16, 4), (20, 4)):
+        anchor = grouped_counts(weight, GROUPS, nodes, slots_per_node)
+        assert ((anchor > 0).sum(1) == 1).all()  # whole groups on nodes: nothing split
+        cap = float(weight.sum()) / nodes * 1.05
+        count = grouped_counts(weight, GROUPS, nodes, slots_per_node, cap)
+        assert (count.sum(0) == slots_per_node).all() and (count.sum(1) >= 1).all()
+        load = (replica_loads(weight.view(1, -1), count.unsqueeze(0))[0] * count).sum(0)
+        assert load.max() <= cap + 1e-9, (slots_per_node, nodes, load.tolist())
+        assert ((count > 0) != (anchor > 0)).any(1).sum() <= 8  # few experts leave (or split from) their node
+    # groups used together (0 with 1, 2 with 3, ...) share a node when the cap allows it
+    together = torch.eye(GROUPS) * 0.5
+    for g in range(0, GROUPS, 2):
+        together[g, g + 1] = together[g + 1, g] = 0.4
+    node_of_group = grouped_counts(torch.ones(E), GROUPS, 4, 16, float("inf"), together).argmax(1)[::E // GROUPS]
+    assert all(node_of_group[g] == node_of_group[g + 1] for g in range(0, GROUPS, 2))
+
+
+def test_balance_repairs_keep_the_experts_and_reach_the_target():
+    from moe_serve.balancer.node_swaps import regroup_gpus, swap_to_target
+
+    # 2 nodes x 2 GPUs x 2 slots; GPU 0 holds the two heavy experts: a swap (across nodes, as none within helps)
+    weight = torch.tensor([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    plan = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    fixed = swap_to_target(plan, weight, 4, 2, target=0.7)  # at best 3.5 / (4 + 1)
+    assert sorted(fixed.tolist()) == list(range(8))
+    assert node_local_balancedness(weight.view(1, -1), fixed.view(1, -1), 4, 2).item() == pytest.approx(0.7)
+    # expert 0's two replicas on GPUs 0 and 1 (node 0): node 1's tokens split over both, node 0's too; an expert
+    # with replicas on one node only is as balanced as an even split, so trading GPUs keeps the GPUs' contents
+    plan = torch.tensor([0, 1, 0, 2, 3, 4, 5, 6])
+    weight = torch.tensor([8.0, 1, 1, 1, 1, 1, 1])
+    traded = regroup_gpus(plan, weight, 4, 2, target=1.0)
+    assert sorted(map(tuple, traded.view(4, 2).sort(1).values.tolist())) == sorted(
+        map(tuple, plan.view(4, 2).sort(1).values.tolist()))
+    before = node_local_balancedness(weight.view(1, -1), plan.view(1, -1), 4, 2).item()
+    assert node_local_balancedness(weight.view(1, -1), traded.view(1, -1), 4, 2).item() >= before
