@@ -60,7 +60,8 @@ class CpuBackend(TorchBackend):
         return cpu_build.unavailable_reason()
 
     def describe(self) -> str:
-        return ("C kernels (AVX2 + FMA), float32 activations, bf16 and FP8 weights widened as used, "
+        isa = "AVX-512" if cpu_build.isa() == "avx512" else "AVX2 + FMA"
+        return (f"C kernels ({isa}), float32 activations, bf16 and FP8 weights widened as used, "
                 "one call per decoder layer for decode steps")
 
     # ---- preparation -------------------------------------------------------------------------

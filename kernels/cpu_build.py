@@ -1,9 +1,10 @@
-"""Builds and loads the CPU kernels of kernels/csrc (AVX2 + FMA + F16C, C compiled as C++) as torch ops,
-`torch.ops.moe_serve.<name>`, on first use: torch's extension builder (torch.utils.cpp_extension.load with
-ninja) compiles them with the torch-op shim csrc/torch_ops.cpp into its build folder (TORCH_EXTENSIONS_DIR,
-default ~/.cache/torch_extensions), rebuilds when a source or flag changes, and serialises processes that
-build at once with its lock file. The first build takes about half a minute, dominated by the shim's
-torch headers (MAX_JOBS caps the parallel compiles); later processes load the built library.
+"""Builds and loads the CPU kernels of kernels/csrc (AVX2 + FMA + F16C, and AVX-512 where the CPU has it;
+C compiled as C++) as torch ops, `torch.ops.moe_serve.<name>`, on first use: torch's extension builder
+(torch.utils.cpp_extension.load with ninja) compiles them with the torch-op shim csrc/torch_ops.cpp into its
+build folder (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), rebuilds when a source or flag
+changes, and serialises processes that build at once with its lock file. The first build takes about half
+a minute, dominated by the shim's torch headers (MAX_JOBS caps the parallel compiles); later processes load
+the built library.
 
 The modules beside each kernel (cpu_bf16w.py, cpu_mla.py, cpu_moe.py, cpu_ops.py) hold their torch
 references and fall back to them where `available()` is False: no C++ compiler or ninja, a CPU without
@@ -27,6 +28,12 @@ log = logging.getLogger(__name__)
 NAME = "moe_serve_cpu_kernels"
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+# Where the CPU has AVX-512 F/BW/VL the kernels are built with it too (a library of its own name, so that a
+# build folder shared between machine classes never loads the wrong one): the linears and experts then
+# multiply-add 16 lanes at a time (csrc/linear_bf16w.cpp). MOE_CPU_KERNEL_ISA=avx2 builds the AVX2 library
+# on such a CPU (to compare the two; like ATen's ATEN_CPU_CAPABILITY).
+AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 # With OpenMP the library needs libgomp.so.1, which resolves to the copy torch has already loaded: one
 # thread pool for torch and these kernels, sized by torch.set_num_threads. Without it, one thread.
 OPENMP = ["-fopenmp"]
@@ -42,6 +49,17 @@ def cpu_has(*flags: str) -> bool:
         return False
     have = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
     return all(f in have for f in flags)
+
+
+@functools.cache
+def isa() -> str:
+    """The instruction set the kernels are built for on this machine: "avx512" or "avx2"."""
+    wanted = os.environ.get("MOE_CPU_KERNEL_ISA", "").strip().lower()
+    if wanted not in ("", "avx2", "avx512"):
+        raise ValueError(f"MOE_CPU_KERNEL_ISA must be avx2 or avx512, got {wanted!r}")
+    if wanted == "avx512" and not cpu_has(*AVX512_CPU_FLAGS):
+        raise ValueError(f"MOE_CPU_KERNEL_ISA=avx512: this CPU lacks one of {', '.join(AVX512_CPU_FLAGS)}")
+    return "avx512" if wanted != "avx2" and cpu_has(*AVX512_CPU_FLAGS) else "avx2"
 
 
 def sources() -> list[Path]:
@@ -66,16 +84,17 @@ def _find_ninja() -> str | None:
 def _build(openmp: bool) -> None:
     from torch.utils import cpp_extension
 
-    flags = FLAGS + (OPENMP if openmp else [])
-    load = functools.partial(cpp_extension.load, name=NAME, sources=[str(s) for s in sources()],
+    name = NAME + ("_avx512" if isa() == "avx512" else "")
+    flags = FLAGS + (AVX512_FLAGS if isa() == "avx512" else []) + (OPENMP if openmp else [])
+    load = functools.partial(cpp_extension.load, name=name, sources=[str(s) for s in sources()],
                              extra_cflags=flags, extra_ldflags=OPENMP if openmp else [], is_python_module=False)
     try:
         load()
     except OSError:  # a library that does not load (say, cut short by a full disk): build it again, once
-        so = Path(cpp_extension._get_build_directory(NAME, False)) / f"{NAME}.so"
+        so = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
         log.warning("the built CPU kernels %s do not load; building them again", so)
         so.unlink(missing_ok=True)
-        cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(NAME, None)  # else this process would not build again
+        cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)  # else this process would not build again
         load()
 
 
@@ -86,6 +105,10 @@ def unavailable_reason() -> str | None:
         return f"this is not an x86-64 CPU ({platform.machine()})"
     if not cpu_has(*CPU_FLAGS):
         return f"this CPU lacks one of {', '.join(CPU_FLAGS)}"
+    try:
+        isa()
+    except ValueError as err:
+        return str(err)
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         return f"no C++ compiler ({cxx}) on PATH"

@@ -629,7 +629,7 @@ def main() -> int:
         if not args.moe_base_venv:
             raise SystemExit("--engines moe-base needs --moe-base-venv (another checkout's .venv)")
         base_ckpt = Path(args.moe_base_model) if args.moe_base_model else ckpt
-        specs.append(moe_spec(base_ckpt, args, "moe-base", Path(args.moe_base_venv)))
+        specs.append(moe_spec(base_ckpt, args, "moe-base", Path(args.moe_base_venv).resolve()))
     if specs:
         docs = compare(specs, args, requests, out)
         result["engines"] = {name: docs[name] for name in ("moe", "moe-base", "vllm", "vllm-auto") if name in docs}

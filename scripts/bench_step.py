@@ -58,8 +58,8 @@ def main() -> None:
     kernel_s = time_kernels() if args.kernels else None
     if args.model == ".cache/bench":
         ensure_checkpoint(Path(args.model), "bench")
-    llm = LLM(args.model, dtype=args.dtype, kernel_backend=args.kernel_backend, max_num_seqs=max(args.running), max_num_batched_tokens=2048,
-              kv_cache_tokens=65536)
+    llm = LLM(args.model, dtype=args.dtype, kernel_backend=args.kernel_backend, max_num_seqs=max(args.running, default=1),
+              max_num_batched_tokens=2048, kv_cache_tokens=65536)
     engine = llm.engine
     if args.layer_by_layer:
         for layer in engine.runner.model.model.layers:

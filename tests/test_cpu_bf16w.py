@@ -20,8 +20,31 @@ def test_kernel_is_built_where_it_can_be():
     assert cpu_bf16w.available() == CAN_BUILD
 
 
+def test_kernel_instruction_set_is_chosen_once_from_the_cpu(monkeypatch):
+    """AVX-512 where the CPU has F/BW/VL, else AVX2; MOE_CPU_KERNEL_ISA=avx2 asks for the AVX2 build anyway,
+    and a value the machine cannot honour is a one-line reason (the torch references run)."""
+    has_avx512 = cpu_build.cpu_has(*cpu_build.AVX512_CPU_FLAGS)
+    try:
+        for wanted, expect in [("", "avx512" if has_avx512 else "avx2"), ("avx2", "avx2"), ("AVX2", "avx2")]:
+            monkeypatch.setenv("MOE_CPU_KERNEL_ISA", wanted)
+            cpu_build.isa.cache_clear()
+            assert cpu_build.isa() == expect
+        monkeypatch.setenv("MOE_CPU_KERNEL_ISA", "sse4")
+        cpu_build.isa.cache_clear()
+        with pytest.raises(ValueError, match="MOE_CPU_KERNEL_ISA must be avx2 or avx512, got 'sse4'"):
+            cpu_build.isa()
+        if not has_avx512:
+            monkeypatch.setenv("MOE_CPU_KERNEL_ISA", "avx512")
+            cpu_build.isa.cache_clear()
+            with pytest.raises(ValueError, match="this CPU lacks one of avx512f"):
+                cpu_build.isa()
+    finally:
+        monkeypatch.undo()
+        cpu_build.isa.cache_clear()
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 41, 300, 513])  # 513: past MAX_ROWS
-@pytest.mark.parametrize("K,O", [(8, 3), (13, 5), (259, 33), (512, 64)])
+@pytest.mark.parametrize("K,O", [(8, 3), (13, 5), (40, 7), (259, 33), (512, 64)])  # 16-lane blocks, 8 and 3 left
 def test_linear_equals_reference(rows, K, O):
     torch.manual_seed(rows * 1000 + K)
     x = torch.randn(rows, K)

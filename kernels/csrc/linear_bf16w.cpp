@@ -43,6 +43,42 @@
         }                                                                                              \
     }
 
+#ifdef __AVX512F__
+/* The AVX-512 build: 16 lanes, twice the multiply-adds per instruction of AVX2 (and 32 vector registers for
+ * the accumulators). The same order of work; sums differ from the AVX2 build only in float32 rounding. */
+#undef BLOCK
+#define BLOCK(MB, U)                                                                                    \
+    static void block_##MB(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,     \
+                           int64_t ldy, int64_t K, int64_t O) {                                        \
+        for (int64_t o = 0; o < O; o++) {                                                              \
+            const uint16_t *wr = w + o * ldw;                                                          \
+            __m512 acc[MB][U];                                                                         \
+            for (int m = 0; m < MB; m++)                                                               \
+                for (int u = 0; u < U; u++) acc[m][u] = _mm512_setzero_ps();                           \
+            int64_t k = 0;                                                                             \
+            for (; k + 16 * U <= K; k += 16 * U)                                                       \
+                for (int u = 0; u < U; u++) {                                                          \
+                    __m512 wv = load_bf16x16(wr + k + 16 * u);                                         \
+                    for (int m = 0; m < MB; m++)                                                       \
+                        acc[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k + 16 * u), wv,     \
+                                                    acc[m][u]);                                        \
+                }                                                                                      \
+            for (; k + 16 <= K; k += 16) {                                                             \
+                __m512 wv = load_bf16x16(wr + k);                                                      \
+                for (int m = 0; m < MB; m++)                                                           \
+                    acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k), wv, acc[m][0]);      \
+            }                                                                                          \
+            for (int m = 0; m < MB; m++) {                                                             \
+                __m512 t = acc[m][0];                                                                  \
+                for (int u = 1; u < U; u++) t = _mm512_add_ps(t, acc[m][u]);                           \
+                float s = _mm512_reduce_add_ps(t);                                                     \
+                for (int64_t kk = k; kk < K; kk++) s += x[m * ldx + kk] * bf16_to_f32(wr[kk]);         \
+                y[m * ldy + o] = s;                                                                    \
+            }                                                                                          \
+        }                                                                                              \
+    }
+#endif
+
 BLOCK(1, 4)
 BLOCK(2, 2)
 BLOCK(3, 2)
