@@ -27,11 +27,6 @@ def _setup_logging(verbose: bool, who: str = "rank 0") -> None:
                         format=f"%(asctime)s [{who}] %(name)s: %(message)s", datefmt="%H:%M:%S", force=True)
 
 
-# A server's streams run beside arriving prompts; offline, throughput is all that counts (vLLM, too, defaults
-# its scheduler by usage: server or offline). docs/benchmarks.md, "Decode never stalled by prefill".
-SERVE_PROMPT_SPREAD_MS = 250.0
-
-
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (the checkpoint's)")
     p.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "cpu", "cuda"),
@@ -41,11 +36,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--prompt-spread-ms", type=float, default=None,
+    p.add_argument("--prompt-spread-ms", type=float, default=0.0,
                    help="while decodes run, spread a new prompt's tokens evenly over the steps of up to this many ms "
                         "(its first token comes about that much later) so that running streams keep an even pace "
-                        "instead of stalling on one long chunk; 0 = as many prompt tokens per step as the budget "
-                        f"allows (default: {SERVE_PROMPT_SPREAD_MS:g} for moe serve, 0 offline)")
+                        "instead of stalling on one long chunk; 0 (default) = as many prompt tokens per step as the "
+                        "budget allows (docs/benchmarks.md, \"Serving speed, round 2\": when spreading pays)")
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -54,7 +49,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, prompt_spread_ms=args.prompt_spread_ms or 0.0,
+                max_num_batched_tokens=args.max_num_batched_tokens, prompt_spread_ms=args.prompt_spread_ms,
                 kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
 
@@ -94,8 +89,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from moe_serve.moe.config import ModelConfig
     from moe_serve.server.core.config import EngineConfig
 
-    if args.prompt_spread_ms is None:
-        args.prompt_spread_ms = SERVE_PROMPT_SPREAD_MS
     eplb = json.loads(args.eplb_config) if args.eplb_config else {}
     if not isinstance(eplb, dict):
         raise ValueError("--eplb-config must be a JSON object, e.g. '{\"window\": 1000, \"interval\": 3000}'")
