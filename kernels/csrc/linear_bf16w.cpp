@@ -1,83 +1,69 @@
-/* y = x w^T for float32 x and bf16 w, float32 accumulation, on AVX2 + FMA: the linear of a bf16 model on a
- * CPU without bf16 arithmetic (kernels/cpu_bf16w.py holds its reference). The drivers here (tiles, threads,
- * batches) also run FP8 weights, whose blocks of rows are in linear_fp8w.cpp.
+/* y = x w^T for float32 x and bf16 w, float32 accumulation, on AVX2 + FMA (or AVX-512): the linear of a bf16
+ * model on a CPU without bf16 arithmetic (kernels/cpu_bf16w.py holds its reference). The drivers here (tiles,
+ * threads, batches) also run FP8 weights, whose blocks of rows are in linear_fp8w.cpp.
  *
  * The weight is loaded as bf16 (2 bytes a value, half a float32 copy) and widened in registers. Rows go in
  * blocks of up to 8, each weight row (o) against every row of the block; a block of MB rows keeps MB x U
- * accumulators of 8 lanes, U independent chains over k so FMA latency does not serialise one row. With more
- * than 8 rows the weight goes in tiles of about 64 KiB, each tile against every block of rows, so it is
- * read from memory once and from cache by the other blocks.
+ * accumulators of LANES lanes (below), U independent chains over k so FMA latency does not serialise one
+ * row. With more than 8 rows the weight goes in tiles of about 64 KiB, each tile against every block of
+ * rows, so it is read from memory once and from cache by the other blocks.
  *
  * Shapes: x [M, K] (row stride ldx), w [O, K] (bf16 bits, row stride ldw), y [M, O] (row stride ldy).
  */
 #include "bf16w.h"
 
-#define BLOCK(MB, U)                                                                                    \
-    static void block_##MB(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,     \
-                           int64_t ldy, int64_t K, int64_t O) {                                        \
-        for (int64_t o = 0; o < O; o++) {                                                              \
-            const uint16_t *wr = w + o * ldw;                                                          \
-            __m256 acc[MB][U];                                                                         \
-            for (int m = 0; m < MB; m++)                                                               \
-                for (int u = 0; u < U; u++) acc[m][u] = _mm256_setzero_ps();                           \
-            int64_t k = 0;                                                                             \
-            for (; k + 8 * U <= K; k += 8 * U)                                                         \
-                for (int u = 0; u < U; u++) {                                                          \
-                    __m256 wv = load_bf16x8(wr + k + 8 * u);                                           \
-                    for (int m = 0; m < MB; m++)                                                       \
-                        acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + 8 * u), wv,      \
-                                                    acc[m][u]);                                        \
-                }                                                                                      \
-            for (; k + 8 <= K; k += 8) {                                                               \
-                __m256 wv = load_bf16x8(wr + k);                                                       \
-                for (int m = 0; m < MB; m++)                                                           \
-                    acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), wv, acc[m][0]);      \
-            }                                                                                          \
-            for (int m = 0; m < MB; m++) {                                                             \
-                __m256 t = acc[m][0];                                                                  \
-                for (int u = 1; u < U; u++) t = _mm256_add_ps(t, acc[m][u]);                           \
-                float s = hsum8(t);                                                                    \
-                for (int64_t kk = k; kk < K; kk++) s += x[m * ldx + kk] * bf16_to_f32(wr[kk]);         \
-                y[m * ldy + o] = s;                                                                    \
-            }                                                                                          \
-        }                                                                                              \
-    }
-
+/* One vector of float32 lanes: 8 with AVX2, 16 in the AVX-512 build (kernels/cpu_build.py builds it where the
+ * CPU has AVX-512 F/BW/VL: twice the multiply-adds per instruction, and 32 vector registers for the
+ * accumulators). The same order of work; sums differ between the builds only in float32 rounding. */
 #ifdef __AVX512F__
-/* The AVX-512 build: 16 lanes, twice the multiply-adds per instruction of AVX2 (and 32 vector registers for
- * the accumulators). The same order of work; sums differ from the AVX2 build only in float32 rounding. */
-#undef BLOCK
+#define LANES 16
+typedef __m512 vecf;
+#define VZERO _mm512_setzero_ps
+#define VLOADX _mm512_loadu_ps
+#define VLOADW load_bf16x16
+#define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
+#define VSUM _mm512_reduce_add_ps
+#else
+#define LANES 8
+typedef __m256 vecf;
+#define VZERO _mm256_setzero_ps
+#define VLOADX _mm256_loadu_ps
+#define VLOADW load_bf16x8
+#define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
+#define VSUM hsum8
+#endif
+
 #define BLOCK(MB, U)                                                                                    \
     static void block_##MB(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,     \
                            int64_t ldy, int64_t K, int64_t O) {                                        \
         for (int64_t o = 0; o < O; o++) {                                                              \
             const uint16_t *wr = w + o * ldw;                                                          \
-            __m512 acc[MB][U];                                                                         \
+            vecf acc[MB][U];                                                                           \
             for (int m = 0; m < MB; m++)                                                               \
-                for (int u = 0; u < U; u++) acc[m][u] = _mm512_setzero_ps();                           \
+                for (int u = 0; u < U; u++) acc[m][u] = VZERO();                                       \
             int64_t k = 0;                                                                             \
-            for (; k + 16 * U <= K; k += 16 * U)                                                       \
+            for (; k + LANES * U <= K; k += LANES * U)                                                 \
                 for (int u = 0; u < U; u++) {                                                          \
-                    __m512 wv = load_bf16x16(wr + k + 16 * u);                                         \
+                    vecf wv = VLOADW(wr + k + LANES * u);                                              \
                     for (int m = 0; m < MB; m++)                                                       \
-                        acc[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k + 16 * u), wv,     \
-                                                    acc[m][u]);                                        \
+                        acc[m][u] = VFMA(VLOADX(x + m * ldx + k + LANES * u), wv, acc[m][u]);          \
                 }                                                                                      \
-            for (; k + 16 <= K; k += 16) {                                                             \
-                __m512 wv = load_bf16x16(wr + k);                                                      \
+            for (; k + LANES <= K; k += LANES) {                                                       \
+                vecf wv = VLOADW(wr + k);                                                              \
                 for (int m = 0; m < MB; m++)                                                           \
-                    acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k), wv, acc[m][0]);      \
+                    acc[m][0] = VFMA(VLOADX(x + m * ldx + k), wv, acc[m][0]);                          \
             }                                                                                          \
             for (int m = 0; m < MB; m++) {                                                             \
-                __m512 t = acc[m][0];                                                                  \
-                for (int u = 1; u < U; u++) t = _mm512_add_ps(t, acc[m][u]);                           \
-                float s = _mm512_reduce_add_ps(t);                                                     \
+                vecf t = acc[m][0];                                                                    \
+                for (int u = 1; u < U; u++) t = VADD(t, acc[m][u]);                                    \
+                float s = VSUM(t);                                                                     \
                 for (int64_t kk = k; kk < K; kk++) s += x[m * ldx + kk] * bf16_to_f32(wr[kk]);         \
                 y[m * ldy + o] = s;                                                                    \
             }                                                                                          \
         }                                                                                              \
     }
-#endif
 
 BLOCK(1, 4)
 BLOCK(2, 2)
