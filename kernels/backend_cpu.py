@@ -36,8 +36,8 @@ def _linear_shapes(model: torch.nn.Module, most: int = 4) -> list[tuple[int, int
     count: dict[tuple[int, int], int] = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if isinstance(module, torch.nn.Module) and isinstance(w, torch.Tensor) and w.dim() == 2 \
-                and w.dtype == torch.bfloat16 and not isinstance(module, torch.nn.Embedding):
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16 \
+                and not isinstance(module, torch.nn.Embedding):
             count[tuple(w.shape)] = count.get(tuple(w.shape), 0) + w.numel()
     return sorted(count, key=count.get, reverse=True)[:most]
 

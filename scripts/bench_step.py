@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -93,16 +94,13 @@ def main() -> None:
             if counter is not None:
                 counter.clear()
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
-        if profiler is not None:
-            profiler.__enter__()
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-            if bandwidth is not None:
-                read.append(step_bytes(engine, ids))
-        if profiler is not None:
-            profiler.__exit__(None, None, None)
+        with profiler or contextlib.nullcontext():
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+                if bandwidth is not None:
+                    read.append(step_bytes(engine, ids))
         for r in ids:
             engine.abort_request(r)
         median = statistics.median(times)
@@ -198,7 +196,7 @@ def prefill_against_peak(engine, lengths: list[int], seed: int, repeats: int = 5
     from moe_serve.server import SamplingParams
 
     peaks = {"float32": matmul_peak(torch.float32)}
-    if {"avx512_bf16", "amx_bf16"} & set(Path("/proc/cpuinfo").read_text().split()):
+    if cpu_build.cpu_has("avx512_bf16") or cpu_build.cpu_has("amx_bf16"):  # bf16 arithmetic in hardware
         peaks["bfloat16"] = matmul_peak(torch.bfloat16)
     peak_name, peak = max(peaks.items(), key=lambda kv: kv[1])
     print("matmul peak (2048^3, best of 5): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
