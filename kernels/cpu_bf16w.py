@@ -49,8 +49,20 @@ def _dense(w: torch.Tensor, scale_inv: torch.Tensor | None, block: Block | None)
     return dequant_fp8_block(w, scale_inv, block)
 
 
+def tiles_take(rows: int, K: int, O: int, scale_inv: torch.Tensor | None = None) -> bool:
+    """Whether the kernel runs a product of `rows` rows by this weight on the AMX tiles, rounding x to bf16
+    (csrc/linear_amx.cpp: a bf16 weight, K a multiple of 32, O of 16, at least cpu_build.tile_rows() rows)."""
+    tiles = cpu_build.tile_rows()
+    return scale_inv is None and 0 < tiles <= rows and K % 32 == 0 and O % 16 == 0
+
+
 def reference(x_MK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None = None,
               scale_inv: torch.Tensor | None = None, block: Block | None = None) -> torch.Tensor:
+    """What the kernel computes, in torch: F.linear on the widened weight, of x rounded to bf16 where the
+    product goes to the AMX tiles."""
+    rows = x_MK.numel() // max(1, x_MK.shape[-1])
+    if tiles_take(rows, w_OK.shape[1], w_OK.shape[0], scale_inv):
+        x_MK = x_MK.bfloat16().float()
     return F.linear(x_MK, _dense(w_OK, scale_inv, block), None if bias_O is None else bias_O.float())
 
 
@@ -63,9 +75,11 @@ def _weight_fits(w: torch.Tensor, scale_inv: torch.Tensor | None) -> bool:
 
 def _fits(x_MK: torch.Tensor, w_OK: torch.Tensor, scale_inv: torch.Tensor | None = None) -> bool:
     """Whether x w^T can go through the C kernel: float32 x with unit column stride, a bf16 (or FP8) w with
-    unit stride in K, 1 to MAX_ROWS rows, on CPU, and the kernels built."""
-    return (0 < x_MK.shape[0] <= MAX_ROWS and x_MK.dtype == torch.float32 and x_MK.is_cpu
-            and x_MK.stride(1) == 1 and _weight_fits(w_OK, scale_inv) and available())
+    unit stride in K, 1 to MAX_ROWS rows (any number that the AMX tiles take), on CPU, and the kernels built."""
+    rows = x_MK.shape[0]
+    return (0 < rows and x_MK.dtype == torch.float32 and x_MK.is_cpu and x_MK.stride(1) == 1
+            and _weight_fits(w_OK, scale_inv) and available()
+            and (rows <= MAX_ROWS or (scale_inv is None and 0 < cpu_build.tile_rows() <= rows)))
 
 
 def _block(scale_inv: torch.Tensor | None, block: Block | None) -> list[int]:
@@ -103,6 +117,8 @@ def kernel_row_limit(shapes_OK: list[tuple[int, int]], candidates: tuple[int, ..
     benchmark model's shapes, milliseconds for tiny ones)."""
     if not available() or not shapes_OK:
         return MAX_ROWS
+    if cpu_build.tile_rows():  # bf16 products on the AMX tiles: measured against MKL up to 2048 rows too
+        candidates = candidates + (1024, 2048)
     gen = torch.Generator().manual_seed(0)
 
     def best(fn) -> float:
@@ -121,11 +137,11 @@ def kernel_row_limit(shapes_OK: list[tuple[int, int]], candidates: tuple[int, ..
             x = torch.randn(rows, K, generator=gen)
             w = torch.randn(O, K, generator=gen).to(torch.bfloat16)
             kernel_s += best(lambda: linear(x, w))
-            mkl_s += best(lambda: reference(x, w))
+            mkl_s += best(lambda: F.linear(x, w.float()))
         if mkl_s < 0.95 * kernel_s:
             return limit
         limit = rows
-    return MAX_ROWS
+    return limit if limit <= MAX_ROWS else 1 << 30  # the tiles lead at every size: no limit
 
 
 def mm_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor, scale_inv: torch.Tensor | None = None,

@@ -34,6 +34,13 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
 # on such a CPU (to compare the two; like ATen's ATEN_CPU_CAPABILITY).
 AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+# Where the CPU also has AMX with bf16 (Sapphire Rapids and later), the AVX-512 build adds the tile
+# instructions (a third library name): products of at least TILE_ROWS rows of x by a bf16 weight round x to
+# bf16 and multiply on the tiles, float32 sums (csrc/linear_amx.cpp): prompt chunks and large batches. Fewer
+# rows (decode at low load) stay float32. MOE_CPU_KERNEL_ISA=avx512 keeps float32 for every product.
+AMX_CPU_FLAGS = AVX512_CPU_FLAGS + ("amx_tile", "amx_bf16", "avx512_bf16")
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
+TILE_ROWS = 16
 # With OpenMP the library needs libgomp.so.1, which resolves to the copy torch has already loaded: one
 # thread pool for torch and these kernels, sized by torch.set_num_threads. Without it, one thread.
 OPENMP = ["-fopenmp"]
@@ -51,15 +58,19 @@ def cpu_has(*flags: str) -> bool:
     return all(f in have for f in flags)
 
 
+_ISA_FLAGS = {"avx2": CPU_FLAGS, "avx512": AVX512_CPU_FLAGS, "amx": AMX_CPU_FLAGS}
+
+
 @functools.cache
 def isa() -> str:
-    """The instruction set the kernels are built for on this machine: "avx512" or "avx2"."""
+    """The instruction set the kernels are built for on this machine: "amx", "avx512" or "avx2" (the most this
+    CPU has, or MOE_CPU_KERNEL_ISA)."""
     wanted = os.environ.get("MOE_CPU_KERNEL_ISA", "").strip().lower()
-    if wanted not in ("", "avx2", "avx512"):
-        raise ValueError(f"MOE_CPU_KERNEL_ISA must be avx2 or avx512, got {wanted!r}")
-    if wanted == "avx512" and not cpu_has(*AVX512_CPU_FLAGS):
-        raise ValueError(f"MOE_CPU_KERNEL_ISA=avx512: this CPU lacks one of {', '.join(AVX512_CPU_FLAGS)}")
-    return "avx512" if wanted != "avx2" and cpu_has(*AVX512_CPU_FLAGS) else "avx2"
+    if wanted not in ("", *_ISA_FLAGS):
+        raise ValueError(f"MOE_CPU_KERNEL_ISA must be one of {', '.join(_ISA_FLAGS)}, got {wanted!r}")
+    if wanted and not cpu_has(*_ISA_FLAGS[wanted]):
+        raise ValueError(f"MOE_CPU_KERNEL_ISA={wanted}: this CPU lacks one of {', '.join(_ISA_FLAGS[wanted])}")
+    return wanted or next((name for name in ("amx", "avx512") if cpu_has(*_ISA_FLAGS[name])), "avx2")
 
 
 def sources() -> list[Path]:
@@ -84,8 +95,9 @@ def _find_ninja() -> str | None:
 def _build(openmp: bool) -> None:
     from torch.utils import cpp_extension
 
-    name = NAME + ("_avx512" if isa() == "avx512" else "")
-    flags = FLAGS + (AVX512_FLAGS if isa() == "avx512" else []) + (OPENMP if openmp else [])
+    name = NAME + ("" if isa() == "avx2" else "_" + isa())
+    flags = (FLAGS + (AVX512_FLAGS if isa() != "avx2" else []) + (AMX_FLAGS if isa() == "amx" else [])
+             + (OPENMP if openmp else []))
     load = functools.partial(cpp_extension.load, name=name, sources=[str(s) for s in sources()],
                              extra_cflags=flags, extra_ldflags=OPENMP if openmp else [], is_python_module=False)
     try:
@@ -126,7 +138,18 @@ def unavailable_reason() -> str | None:
         reason = f"building the CPU kernels failed: {' '.join(str(err).split())[-300:]}"
         log.warning("%s; their torch references run instead", reason)
         return reason
+    if isa() == "amx" and torch.ops.moe_serve.set_tile_rows(TILE_ROWS) == 0:
+        log.warning("the OS refused this process the AMX tiles (arch_prctl): every product stays float32")
     return None
+
+
+def tile_rows(rows: int | None = None) -> int:
+    """The fewest rows of x that a bf16 product takes to the AMX tiles (0: none do), after setting it to `rows`
+    where given (0 turns the tiles off: the float32 kernels then run every product, as tests of their exact
+    sums want). 0 without the AMX build."""
+    if not available() or isa() != "amx":
+        return 0
+    return torch.ops.moe_serve.set_tile_rows(-1 if rows is None else max(0, rows))
 
 
 def available() -> bool:

@@ -22,6 +22,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def float32_products():
+    """Every bf16 product in float32 (the AMX tiles off, where the build has them): for tests of the float32
+    kernels' sums and of greedy tokens on random weights, whose near-tied logits bf16 rounding reorders."""
+    from moe_serve.kernels import cpu_build
+
+    tiles = cpu_build.tile_rows()
+    cpu_build.tile_rows(0)
+    yield
+    cpu_build.tile_rows(tiles)
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(preset, **kw) -> directory; each distinct request is built once per session."""

@@ -21,23 +21,28 @@ def test_kernel_is_built_where_it_can_be():
 
 
 def test_kernel_instruction_set_is_chosen_once_from_the_cpu(monkeypatch):
-    """AVX-512 where the CPU has F/BW/VL, else AVX2; MOE_CPU_KERNEL_ISA=avx2 asks for the AVX2 build anyway,
-    and a value the machine cannot honour is a one-line reason (the torch references run)."""
+    """AMX where the CPU has AMX-BF16 (with AVX-512), else AVX-512 where it has F/BW/VL, else AVX2;
+    MOE_CPU_KERNEL_ISA asks for a lesser build anyway, and a value the machine cannot honour is a one-line
+    reason (the torch references run)."""
     has_avx512 = cpu_build.cpu_has(*cpu_build.AVX512_CPU_FLAGS)
+    has_amx = cpu_build.cpu_has(*cpu_build.AMX_CPU_FLAGS)
+    best = "amx" if has_amx else "avx512" if has_avx512 else "avx2"
     try:
-        for wanted, expect in [("", "avx512" if has_avx512 else "avx2"), ("avx2", "avx2"), ("AVX2", "avx2")]:
+        for wanted, expect in [("", best), ("avx2", "avx2"), ("AVX2", "avx2")] + (
+                [("avx512", "avx512")] if has_avx512 else []):
             monkeypatch.setenv("MOE_CPU_KERNEL_ISA", wanted)
             cpu_build.isa.cache_clear()
             assert cpu_build.isa() == expect
         monkeypatch.setenv("MOE_CPU_KERNEL_ISA", "sse4")
         cpu_build.isa.cache_clear()
-        with pytest.raises(ValueError, match="MOE_CPU_KERNEL_ISA must be avx2 or avx512, got 'sse4'"):
+        with pytest.raises(ValueError, match="MOE_CPU_KERNEL_ISA must be one of avx2, avx512, amx, got 'sse4'"):
             cpu_build.isa()
-        if not has_avx512:
-            monkeypatch.setenv("MOE_CPU_KERNEL_ISA", "avx512")
-            cpu_build.isa.cache_clear()
-            with pytest.raises(ValueError, match="this CPU lacks one of avx512f"):
-                cpu_build.isa()
+        for wanted, flag, has in [("avx512", "avx512f", has_avx512), ("amx", "avx512f", has_amx)]:
+            if not has:
+                monkeypatch.setenv("MOE_CPU_KERNEL_ISA", wanted)
+                cpu_build.isa.cache_clear()
+                with pytest.raises(ValueError, match=f"this CPU lacks one of {flag}"):
+                    cpu_build.isa()
     finally:
         monkeypatch.undo()
         cpu_build.isa.cache_clear()
@@ -54,6 +59,58 @@ def test_linear_equals_reference(rows, K, O):
     torch.testing.assert_close(cpu_bf16w.linear(x, w, b), cpu_bf16w.reference(x, w, b), rtol=1e-5, atol=1e-4)
     x3 = torch.randn(K, rows).t().unsqueeze(0)  # leading dims and a non-contiguous input
     torch.testing.assert_close(cpu_bf16w.linear(x3, w), cpu_bf16w.reference(x3, w), rtol=1e-5, atol=1e-4)
+
+
+needs_tiles = pytest.mark.skipif(not cpu_build.tile_rows(), reason="no AMX tiles here (cpu_build.isa() != 'amx')")
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows", [16, 17, 31, 33, 100, 513, 2048])
+@pytest.mark.parametrize("K,O", [(64, 48), (512, 1024), (256, 80)])
+def test_amx_tiles_round_x_to_bf16_and_sum_in_float32(rows, K, O, float32_products):
+    """On the AMX build a product of 16+ rows by a bf16 weight (K a multiple of 32, O of 16) rounds x to bf16
+    and sums in float32: it equals F.linear on x rounded (to float32 summation order), and not the float32
+    product, which is what runs with the tiles off, below 16 rows and for other shapes."""
+    torch.manual_seed(rows + K)
+    x, w = torch.randn(rows, K), torch.randn(O, K).bfloat16()
+    on_bf16_x = torch.nn.functional.linear(x.bfloat16().float(), w.float())
+    exact = torch.nn.functional.linear(x, w.float())
+    off = cpu_bf16w.linear(x, w)  # float32_products: the tiles are off
+    torch.testing.assert_close(off, exact, rtol=1e-5, atol=1e-4)
+    assert cpu_build.tile_rows(cpu_build.TILE_ROWS) == cpu_build.TILE_ROWS
+    on = cpu_bf16w.linear(x, w)
+    torch.testing.assert_close(on, on_bf16_x, rtol=1e-5, atol=1e-4)
+    assert (on - exact).abs().max() > 1e-3  # really rounded: bf16 keeps 8 bits of x
+    torch.testing.assert_close(on, cpu_bf16w.reference(x, w), rtol=1e-5, atol=1e-4)
+    few, odd = x[:15], torch.randn(rows, K + 8)  # too few rows; K not a multiple of 32
+    torch.testing.assert_close(cpu_bf16w.linear(few, w), exact[:15], rtol=1e-5, atol=1e-4)
+    w_odd = torch.randn(O, K + 8).bfloat16()
+    torch.testing.assert_close(cpu_bf16w.linear(odd, w_odd), torch.nn.functional.linear(odd, w_odd.float()),
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_tiles
+def test_amx_tiles_in_the_experts(float32_products):
+    """The fused experts take the tiles per expert with 16+ rows: x rounded to bf16 for w13, the float32
+    SiLU product rounded for w2; an expert with fewer rows stays float32."""
+    from moe_serve.kernels import cpu_moe
+
+    torch.manual_seed(0)
+    T, H, I = 40, 64, 32
+    x = torch.randn(T, H)
+    w13, w2 = (torch.randn(3, 2 * I, H) / 8).bfloat16(), (torch.randn(3, H, I) / 6).bfloat16()
+    ids = torch.tensor([0] * 22 + [1] * 15 + [2] * 3).unsqueeze(1)  # 22 rows: tiles; 15 and 3: float32
+    weights = torch.rand(T, 1)
+    want = torch.empty(T, H)
+    for e in range(3):
+        rows = (ids[:, 0] == e).nonzero().flatten()
+        xe = x[rows].bfloat16().float() if len(rows) >= 16 else x[rows]
+        g, u = torch.nn.functional.linear(xe, w13[e].float()).chunk(2, dim=-1)
+        h = torch.nn.functional.silu(g) * u
+        h = h.bfloat16().float() if len(rows) >= 16 else h
+        want[rows] = torch.nn.functional.linear(h, w2[e].float()) * weights[rows]
+    cpu_build.tile_rows(cpu_build.TILE_ROWS)
+    torch.testing.assert_close(cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids), want, rtol=1e-4, atol=1e-5)
 
 
 def test_mm_into_a_strided_output():

@@ -118,7 +118,7 @@ def test_per_head_products_equal_bmm(M):
 
 
 @needs_kernels
-def test_kernels_split_over_two_threads_equal_references():
+def test_kernels_split_over_two_threads_equal_references(float32_products):
     """With two threads the large linears split their weight rows, decode attention its sequences and the
     per-head products their heads; the results must not change."""
     before = torch.get_num_threads()

@@ -54,3 +54,16 @@ def test_greedy_completions_read_as_text(llm):
         words = text.split()
         assert plain / max(len(text), 1) > 0.9 and len(words) >= 4, text
         assert 2 <= sum(map(len, words)) / len(words) <= 9, text
+
+
+def test_bf16_serving_keeps_heldout_perplexity():
+    """The checkpoint as shipped, bf16, on the default backend: bf16 weights and KV cache and, on a CPU with
+    AMX, products of 16 or more rows computed in bf16 on the tiles (float32 sums). Held-out perplexity stays
+    within 0.5% of transformers' float32 (measured: 0.07% with the tiles, 0.006% with float32 products)."""
+    bf16 = LLM(str(TRAINED), dtype="bfloat16")
+    docs = token_docs(bf16.tokenizer, documents(TRAINED)[:16], 256)
+    ref_nll, n = nll_reference(TRAINED, docs)
+    our_nll, n2 = nll_engine(bf16, docs)
+    assert n == n2 > 500
+    ref, ours = math.exp(ref_nll / n), math.exp(our_nll / n)
+    assert abs(ours - ref) / ref < 5e-3, (ours, ref)

@@ -131,6 +131,11 @@ static inline __m256 exp_neg(__m256 x) {
 void linear_w(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K, int64_t O);
 void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                   int64_t M, int64_t K, int64_t O);
+/* linear_w on AMX tiles (linear_amx.cpp) for a bf16 w of at least set_tile_rows(n) rows (0: off, and always off
+ * outside the AMX build); returns 0, computing nothing, where it does not apply. set_tile_rows returns the rows
+ * now in effect (0 where the build or the OS gives no tiles); rows < 0 only reads them. */
+int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K, int64_t O);
+int64_t set_tile_rows(int64_t rows);
 /* Rows o0 .. o0 + O of an FP8 weight against MB <= 8 rows of x, into y[:, 0..O) (linear_fp8w.cpp). */
 void fp8w_block(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
                 int64_t K, int64_t O);

@@ -424,6 +424,7 @@ TORCH_LIBRARY(moe_serve, m) {
           "Tensor(a!) kv_cache, Tensor slots) -> ()");
     m.def("route_noaux_tc(Tensor x, Tensor gate, Tensor? bias, int num_groups, int topk_group, bool norm_topk_prob, "
           "float scale, Tensor(a!) weights, Tensor(b!) ids) -> ()");
+    m.def("set_tile_rows(int rows) -> int", &set_tile_rows);
     m.def("decode_layer(Tensor(a!) x, Tensor?[] weights, int[] config, float[] scalars, Tensor cos, Tensor sin, "
           "Tensor(b!) kv_cache, Tensor slots, Tensor rows, Tensor block_tables, Tensor context_lens, "
           "Tensor(c!)? ids) -> ()");

@@ -1,0 +1,158 @@
+/* y = x w^T for float32 x and a bf16 w on AMX tiles (Intel's Advanced Matrix Extensions, Sapphire Rapids and
+ * later): the x rows are rounded to bf16 (to nearest even, as torch's .bfloat16()), products of bf16 pairs are
+ * summed in float32, y is float32. Only in the AMX build (kernels/cpu_build.py builds it where the CPU has
+ * amx_tile, amx_bf16 and avx512_bf16) and only for products of at least `tile_rows` rows (set_tile_rows): the
+ * prompt-sized GEMMs, where the float32 kernels of linear_bf16w.cpp are bound by arithmetic and a tile
+ * multiply does 16 x 16 x 32 multiply-adds in one instruction. The reference is
+ * F.linear(x.bfloat16().float(), w.float()) (kernels/cpu_bf16w.py), which this equals up to the order of
+ * float32 sums.
+ *
+ * The weight stays as loaded ([O, K], unit stride in K): a tile of 16 of its rows and 32 of its columns is
+ * the A operand as it lies in memory. x is the B operand, which the instruction takes in pairs along K:
+ * packed once per call into xp [K / 2, Mp] of 32-bit (bf16, bf16) pairs, Mp = M rounded up to 16 (rows of
+ * zeros). A tile of C then holds y transposed (16 weight rows by 16 x rows) and is written to y column by
+ * column. Each thread takes 32 weight rows at a time against all of x (two A tiles, two B tiles, four C
+ * tiles). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and
+ * the float32 kernel runs.
+ */
+#include <string.h>
+
+#include "bf16w.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define PARALLEL_MIN_WEIGHTS (1 << 16)
+
+static int64_t tile_rows;  /* 0: off */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void tiles_on(void) {  /* every tile 16 rows of 64 bytes; per thread (a core's tile state) */
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    _tile_loadconfig(&c);
+}
+
+/* xp[kp, m] = (bf16(x[m, 2kp]), bf16(x[m, 2kp + 1])) for m < M, zeros for M <= m < Mp */
+static void pack_x(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xp) {
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32((int)Mp));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * ldx + k + 16), _mm512_loadu_ps(x + m * ldx + k));
+            _mm512_i32scatter_epi32(xp + (k / 2) * Mp + m, col, (__m512i)pairs, 4);
+        }
+    for (int64_t kp = 0; kp < K / 2 && Mp > M; kp++) memset(xp + kp * Mp + M, 0, (size_t)(Mp - M) * 4);
+}
+
+/* c [16 weight rows][16 x rows] (a C tile) into y rows m0.. (< M), columns o0..o0 + 16 */
+static inline void store_transposed(const float *c, float *y, int64_t ldy, int64_t m0, int64_t M, int64_t o0) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+    for (int64_t j = 0; j < 16 && m0 + j < M; j++)
+        _mm512_storeu_ps(y + (m0 + j) * ldy + o0, _mm512_i32gather_ps(rows, c + j, 4));
+}
+
+/* weight rows o0 .. o0 + 16 * NA (NA = 1 or 2) against all of xp, into y */
+template <int NA>
+static void weight_rows(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t Mp, int64_t M, int64_t K,
+                        int64_t o0, float *y, int64_t ldy) {
+    alignas(64) float c[16 * 16];
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        int two = Mp - m0 >= 32;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+            _tile_loadd(4, w + o0 * ldw + k, ldw * 2);
+            _tile_loadd(6, xp + (k / 2) * Mp + m0, Mp * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) {
+                _tile_loadd(7, xp + (k / 2) * Mp + m0 + 16, Mp * 4);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (NA == 2) {
+                _tile_loadd(5, w + (o0 + 16) * ldw + k, ldw * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, c, 64);
+        store_transposed(c, y, ldy, m0, M, o0);
+        if (two) {
+            _tile_stored(1, c, 64);
+            store_transposed(c, y, ldy, m0 + 16, M, o0);
+        }
+        if (NA == 2) {
+            _tile_stored(2, c, 64);
+            store_transposed(c, y, ldy, m0, M, o0 + 16);
+            if (two) {
+                _tile_stored(3, c, 64);
+                store_transposed(c, y, ldy, m0 + 16, M, o0 + 16);
+            }
+        }
+    }
+}
+
+int64_t set_tile_rows(int64_t rows) {
+    static int permitted = -1;  /* the kernel lets a process use the tiles' 8 KiB of state once it asks */
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    if (rows >= 0) tile_rows = permitted && rows > 0 ? rows : 0;  /* rows < 0: only read it */
+    return tile_rows;
+}
+
+int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
+                 int64_t O) {
+    if (!tile_rows || M < tile_rows || w->scale || K % 32 || O % 16) return 0;
+    int64_t Mp = (M + 15) & ~(int64_t)15;
+    uint32_t *xp = (uint32_t *)thread_scratch((size_t)(K / 2) * (size_t)Mp * 4);
+    if (!xp) return 0;
+    pack_x(x, ldx, M, Mp, K, xp);
+    const uint16_t *wd = (const uint16_t *)w->data;
+    int64_t ldw = w->ld, blocks = (O + 31) / 32;
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1 && blocks > 1 && O * K >= PARALLEL_MIN_WEIGHTS)
+#endif
+    {
+        tiles_on();
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t b = 0; b < blocks; b++) {
+            if (O - 32 * b >= 32)
+                weight_rows<2>(wd, ldw, xp, Mp, M, K, 32 * b, y, ldy);
+            else
+                weight_rows<1>(wd, ldw, xp, Mp, M, K, 32 * b, y, ldy);
+        }
+        _tile_release();
+    }
+    return 1;
+}
+
+#else
+
+int64_t set_tile_rows(int64_t rows) {
+    (void)rows;
+    return 0;
+}
+
+int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
+                 int64_t O) {
+    (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)M, (void)K, (void)O;
+    return 0;
+}
+
+#endif
