@@ -52,7 +52,7 @@ def main() -> None:
                     help="decode steps call each kernel from Python, not one C call per layer (kernels/cpu_decode_layer.py): "
                          "with --kernels, the time of each kernel inside a layer")
     ap.add_argument("--phases", action="store_true", help="time the engine's phases and each decoder layer")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler's top ops over the decode steps")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler's top ops over the decode (and --prefill) steps")
     ap.add_argument("--prefill", type=int, nargs="*", default=[],
                     help="prompt lengths: time a step computing one such prompt alone, against the matmul peak")
     args = ap.parse_args()
@@ -119,7 +119,7 @@ def main() -> None:
         if profiler is not None:
             print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     if args.prefill:
-        prefill_against_peak(engine, args.prefill, args.seed)
+        prefill_against_peak(engine, args.prefill, args.seed, profile=args.profile)
 
 
 def time_phases(engine) -> collections.Counter:
@@ -192,7 +192,7 @@ def prompt_flops(cfg, num_tokens: int) -> float:
     return total + 2 * H * cfg.vocab_size
 
 
-def prefill_against_peak(engine, lengths: list[int], seed: int, repeats: int = 5) -> None:
+def prefill_against_peak(engine, lengths: list[int], seed: int, repeats: int = 5, profile: bool = False) -> None:
     from moe_serve.server import SamplingParams
 
     peaks = {"float32": matmul_peak(torch.float32)}
@@ -208,18 +208,22 @@ def prefill_against_peak(engine, lengths: list[int], seed: int, repeats: int = 5
         if n > engine.config.max_num_batched_tokens:
             raise SystemExit(f"--prefill {n}: above the token budget {engine.config.max_num_batched_tokens}")
         times = []
-        for r in range(repeats + 1):
-            prompt = torch.randint(0, engine.model_config.vocab_size, (n,), generator=g).tolist()
-            rid = engine.add_request(prompt, params, request_id=f"prefill-{n}-{r}")
-            t0 = time.perf_counter()
-            engine.step()
-            if r:  # the first one warms up
-                times.append(time.perf_counter() - t0)
-            if rid in engine.requests:
-                engine.abort_request(rid)
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+        with profiler or contextlib.nullcontext():
+            for r in range(repeats + 1):
+                prompt = torch.randint(0, engine.model_config.vocab_size, (n,), generator=g).tolist()
+                rid = engine.add_request(prompt, params, request_id=f"prefill-{n}-{r}")
+                t0 = time.perf_counter()
+                engine.step()
+                if r:  # the first one warms up
+                    times.append(time.perf_counter() - t0)
+                if rid in engine.requests:
+                    engine.abort_request(rid)
         median = statistics.median(times)
         flops = prompt_flops(engine.model_config, n)
         print(f"{n:>8} {median * 1e3:>15.1f} {flops / 1e9:>8.2f} {flops / median / 1e9:>8.1f} {flops / median / peak:>8.2f}")
+        if profiler is not None:
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def read_bandwidth(num_bytes: int = 1 << 29) -> float:

@@ -10,8 +10,8 @@
  * The weight stays as loaded ([O, K], unit stride in K): a tile of 16 of its rows and 32 of its columns is
  * the A operand as it lies in memory. x is the B operand, which the instruction takes in pairs along K:
  * packed once per call into xp [K / 2, Mp] of 32-bit (bf16, bf16) pairs, Mp = M rounded up to 16 (rows of
- * zeros). A tile of C then holds y transposed (16 weight rows by 16 x rows) and is written to y column by
- * column. Each thread takes 32 weight rows at a time against all of x (two A tiles, two B tiles, four C
+ * zeros), by 16 x 16 transposes in registers. A tile of C then holds y transposed (16 weight rows by 16 x
+ * rows), transposed the same way into y. Each thread takes 32 weight rows at a time against all of x (two A tiles, two B tiles, four C
  * tiles). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and
  * the float32 kernel runs.
  */
@@ -43,24 +43,53 @@ static void tiles_on(void) {  /* every tile 16 rows of 64 bytes; per thread (a c
     _tile_loadconfig(&c);
 }
 
-/* xp[kp, m] = (bf16(x[m, 2kp]), bf16(x[m, 2kp + 1])) for m < M, zeros for M <= m < Mp */
+/* out[j][i] = in[i][j] for 16 x 16 32-bit values: pairs of rows interleaved by 32 then 64 bits (within each
+ * 128-bit lane), then the 4 x 4 lanes transposed */
+static inline void transpose16(const __m512i *in, __m512i *out) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {  /* u[g + c], lane L: rows g..g + 3 of column 4L + c */
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
+        out[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        out[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        out[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        out[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
+/* xp[kp, m] = (bf16(x[m, 2kp]), bf16(x[m, 2kp + 1])) for m < M, zeros for M <= m < Mp: 16 rows by 32 columns of
+ * x at a time, converted (16 pairs a row) and transposed */
 static void pack_x(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xp) {
-    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32((int)Mp));
-    for (int64_t m = 0; m < M; m++)
+    __m512i rows[16], cols[16];
+    for (int64_t m0 = 0; m0 < Mp; m0 += 16)
         for (int64_t k = 0; k < K; k += 32) {
-            __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * ldx + k + 16), _mm512_loadu_ps(x + m * ldx + k));
-            _mm512_i32scatter_epi32(xp + (k / 2) * Mp + m, col, (__m512i)pairs, 4);
+            for (int i = 0; i < 16; i++) {
+                const float *r = x + (m0 + i) * ldx + k;
+                rows[i] = m0 + i < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(r + 16), _mm512_loadu_ps(r))
+                                     : _mm512_setzero_si512();
+            }
+            transpose16(rows, cols);
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(xp + (k / 2 + c) * Mp + m0, cols[c]);
         }
-    for (int64_t kp = 0; kp < K / 2 && Mp > M; kp++) memset(xp + kp * Mp + M, 0, (size_t)(Mp - M) * 4);
 }
 
 /* c [16 weight rows][16 x rows] (a C tile) into y rows m0.. (< M), columns o0..o0 + 16 */
 static inline void store_transposed(const float *c, float *y, int64_t ldy, int64_t m0, int64_t M, int64_t o0) {
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
-    for (int64_t j = 0; j < 16 && m0 + j < M; j++)
-        _mm512_storeu_ps(y + (m0 + j) * ldy + o0, _mm512_i32gather_ps(rows, c + j, 4));
+    __m512i rows[16], cols[16];
+    for (int i = 0; i < 16; i++) rows[i] = _mm512_load_si512(c + 16 * i);
+    transpose16(rows, cols);
+    for (int64_t j = 0; j < 16 && m0 + j < M; j++) _mm512_storeu_si512(y + (m0 + j) * ldy + o0, cols[j]);
 }
 
 /* weight rows o0 .. o0 + 16 * NA (NA = 1 or 2) against all of xp, into y */
