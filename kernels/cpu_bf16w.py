@@ -79,7 +79,7 @@ def _fits(x_MK: torch.Tensor, w_OK: torch.Tensor, scale_inv: torch.Tensor | None
     rows = x_MK.shape[0]
     return (0 < rows and x_MK.dtype == torch.float32 and x_MK.is_cpu and x_MK.stride(1) == 1
             and _weight_fits(w_OK, scale_inv) and available()
-            and (rows <= MAX_ROWS or (scale_inv is None and 0 < cpu_build.tile_rows() <= rows)))
+            and (rows <= MAX_ROWS or tiles_take(rows, w_OK.shape[1], w_OK.shape[0], scale_inv)))
 
 
 def _block(scale_inv: torch.Tensor | None, block: Block | None) -> list[int]:

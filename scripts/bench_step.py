@@ -93,7 +93,7 @@ def main() -> None:
         for counter in (kernel_s, phase_s):
             if counter is not None:
                 counter.clear()
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+        profiler = cpu_profiler(args.profile)
         with profiler or contextlib.nullcontext():
             for _ in range(args.steps):
                 t0 = time.perf_counter()
@@ -116,10 +116,19 @@ def main() -> None:
                   + f"; the rest (torch ops, Python) {rest:.2f}")
         if phase_s is not None:
             print_phases(phase_s, sum(times), args.steps)
-        if profiler is not None:
-            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        print_profile(profiler)
     if args.prefill:
         prefill_against_peak(engine, args.prefill, args.seed, profile=args.profile)
+
+
+def cpu_profiler(on: bool) -> torch.profiler.profile | None:
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if on else None
+
+
+def print_profile(profiler: torch.profiler.profile | None) -> None:
+    """The top ops by their own CPU time (nothing without a profiler)."""
+    if profiler is not None:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def time_phases(engine) -> collections.Counter:
@@ -208,7 +217,7 @@ def prefill_against_peak(engine, lengths: list[int], seed: int, repeats: int = 5
         if n > engine.config.max_num_batched_tokens:
             raise SystemExit(f"--prefill {n}: above the token budget {engine.config.max_num_batched_tokens}")
         times = []
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+        profiler = cpu_profiler(profile)
         with profiler or contextlib.nullcontext():
             for r in range(repeats + 1):
                 prompt = torch.randint(0, engine.model_config.vocab_size, (n,), generator=g).tolist()
@@ -222,8 +231,7 @@ def prefill_against_peak(engine, lengths: list[int], seed: int, repeats: int = 5
         median = statistics.median(times)
         flops = prompt_flops(engine.model_config, n)
         print(f"{n:>8} {median * 1e3:>15.1f} {flops / 1e9:>8.2f} {flops / median / 1e9:>8.1f} {flops / median / peak:>8.2f}")
-        if profiler is not None:
-            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        print_profile(profiler)
 
 
 def read_bandwidth(num_bytes: int = 1 << 29) -> float:

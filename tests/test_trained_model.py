@@ -34,12 +34,17 @@ def test_shipped_checkpoint_is_deepseek_v3_in_bf16():
     assert size < 25 * 2**20, f"{size / 2**20:.1f} MiB"
 
 
-def test_heldout_perplexity_equals_transformers(llm):
-    docs = token_docs(llm.tokenizer, documents(TRAINED)[:16], 256)
+def _heldout_perplexities(engine: LLM) -> tuple[float, float]:
+    """(ours, transformers' float32) on the first 16 held-out documents, 256 tokens each at most."""
+    docs = token_docs(engine.tokenizer, documents(TRAINED)[:16], 256)
     ref_nll, n = nll_reference(TRAINED, docs)
-    our_nll, n2 = nll_engine(llm, docs)
+    our_nll, n2 = nll_engine(engine, docs)
     assert n == n2 > 500
-    ref, ours = math.exp(ref_nll / n), math.exp(our_nll / n)
+    return math.exp(our_nll / n), math.exp(ref_nll / n)
+
+
+def test_heldout_perplexity_equals_transformers(llm):
+    ours, ref = _heldout_perplexities(llm)
     assert abs(ours - ref) / ref < 1e-3, (ours, ref)
     assert ref < 100  # trained: far below the vocabulary size a random model would score
 
@@ -60,10 +65,5 @@ def test_bf16_serving_keeps_heldout_perplexity():
     """The checkpoint as shipped, bf16, on the default backend: bf16 weights and KV cache and, on a CPU with
     AMX, products of 16 or more rows computed in bf16 on the tiles (float32 sums). Held-out perplexity stays
     within 0.5% of transformers' float32 (measured: 0.07% with the tiles, 0.006% with float32 products)."""
-    bf16 = LLM(str(TRAINED), dtype="bfloat16")
-    docs = token_docs(bf16.tokenizer, documents(TRAINED)[:16], 256)
-    ref_nll, n = nll_reference(TRAINED, docs)
-    our_nll, n2 = nll_engine(bf16, docs)
-    assert n == n2 > 500
-    ref, ours = math.exp(ref_nll / n), math.exp(our_nll / n)
+    ours, ref = _heldout_perplexities(LLM(str(TRAINED), dtype="bfloat16"))
     assert abs(ours - ref) / ref < 5e-3, (ours, ref)

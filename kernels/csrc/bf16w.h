@@ -29,6 +29,8 @@ static inline int thread_index(void) {
 #endif
 }
 
+#define PARALLEL_MIN_WEIGHTS (1 << 16)  /* smaller weights take one thread: a fork costs about a microsecond */
+
 /* Per-thread scratch memory of at least `bytes`, kept between calls (one buffer per file and thread). */
 static __thread void *scratch_ptr;
 static __thread size_t scratch_size;

@@ -11,8 +11,8 @@
  * the A operand as it lies in memory. x is the B operand, which the instruction takes in pairs along K:
  * packed once per call into xp [K / 2, Mp] of 32-bit (bf16, bf16) pairs, Mp = M rounded up to 16 (rows of
  * zeros), by 16 x 16 transposes in registers. A tile of C then holds y transposed (16 weight rows by 16 x
- * rows), transposed the same way into y. Each thread takes 32 weight rows at a time against all of x (two A tiles, two B tiles, four C
- * tiles). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and
+ * rows), transposed the same way into y. Each thread takes 32 weight rows at a time against all of x (two A
+ * tiles, two B tiles, four C tiles). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and
  * the float32 kernel runs.
  */
 #include <string.h>
@@ -25,7 +25,6 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define PARALLEL_MIN_WEIGHTS (1 << 16)
 
 static int64_t tile_rows;  /* 0: off */
 

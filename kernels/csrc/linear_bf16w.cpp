@@ -78,7 +78,6 @@ typedef void (*block_fn)(const float *, int64_t, const uint16_t *, int64_t, floa
 static const block_fn BLOCKS[9] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8};
 
 #define TILE_BYTES (64 << 10)
-#define PARALLEL_MIN_WEIGHTS (1 << 16)  /* smaller weights take one thread: a fork costs about a microsecond */
 
 /* rows o0 .. o0 + O of w into y[:, 0..O), one thread */
 static void linear_serial(const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
