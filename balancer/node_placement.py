@@ -27,6 +27,9 @@ estimated on tokens sampled from its load and routed as the model routes (anothe
 _ANCHOR_EDGE rows to replace a grouped layout that reaches the target: smaller savings are sample noise). A layer
 that none reaches takes the best balanced of them (or the global plan), then swaps across nodes while they
 raise its balance toward the target, and the global plan with whole GPUs traded between nodes competes.
+The target holds for the mean over layers: where the layers balance above it together, layers whose grouped
+layout fell short of their own target but sends fewer cross-node rows than their plan take it back, while
+the mean stays at the target (_spend_slack).
 
 Shape legend: L layers, E experts, R slots, G GPUs, N nodes, P = R // N slots per node, B = L * N rows.
 """
@@ -83,6 +86,7 @@ def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_L
         return ok_T
 
     all_L = torch.arange(num_layers)
+    anchor_LR = None
     if num_groups >= num_nodes and num_groups % num_nodes == 0 and num_logical % num_groups == 0:
         # whole groups on nodes, replicas only within a node (EPLB's hierarchical layout), then, where that
         # misses the target, with as few moves across nodes as bring the node loads under a cap. How often two
@@ -142,7 +146,33 @@ def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_L
     if len(short):  # the global plan with its GPUs traded between nodes
         offer(short, torch.stack([regroup_gpus(fallback_LR[l], weight_LE[l], num_gpus, num_nodes, float(target_L[l]))
                                   for l in short.tolist()]))
+    if anchor_LR is not None:
+        _spend_slack(plan_LR, anchor_LR, weight_LE, target_L, tokens_L, src_T, num_gpus, num_nodes)
     return plan_LR
+
+
+def _spend_slack(plan_LR: torch.Tensor, anchor_LR: torch.Tensor, weight_LE: torch.Tensor, target_L: torch.Tensor,
+                 tokens_L: list[torch.Tensor], src_T: torch.Tensor, num_gpus: int, num_nodes: int) -> None:
+    """The balance target holds for the mean over layers: where the layers together balance above it, layers
+    whose grouped layout (the anchor) fell short of their own target, and where that anchor sends fewer
+    cross-node rows than the layer's plan, go back to the anchor, least balance per row saved first, while the
+    mean stays at or above the mean target. Only anchors within _NEAR of their layer's target qualify. In place on plan_LR."""
+    all_L = torch.arange(len(plan_LR))
+    plan_bal_L = node_local_balancedness(weight_LE, plan_LR, num_gpus, num_nodes)
+    anchor_bal_L = node_local_balancedness(weight_LE, anchor_LR, num_gpus, num_nodes)
+    slack = float((plan_bal_L - target_L).sum())
+    rows = all_L[(plan_LR != anchor_LR).any(1) & (anchor_bal_L >= target_L - _NEAR) & (anchor_bal_L < plan_bal_L)]
+    if slack <= 0 or len(rows) == 0:
+        return
+    saved_T = _remote(tokens_L, src_T, plan_LR[rows], rows, num_gpus, num_nodes) - _remote(
+        tokens_L, src_T, anchor_LR[rows], rows, num_gpus, num_nodes)  # rows per token the anchor saves
+    cost_T = (plan_bal_L - anchor_bal_L)[rows]
+    gain = saved_T > 0
+    for l, cost, _ in sorted(zip(rows[gain].tolist(), cost_T[gain].tolist(), (cost_T / saved_T)[gain].tolist()),
+                             key=lambda x: x[2]):
+        if cost > slack:
+            continue
+        plan_LR[l], slack = anchor_LR[l], slack - cost
 
 
 def _used_together(group_TK: torch.Tensor, num_groups: int) -> torch.Tensor:
