@@ -60,9 +60,11 @@ class CpuBackend(TorchBackend):
         return cpu_build.unavailable_reason()
 
     def describe(self) -> str:
-        isa = {"amx": "AVX-512 + AMX", "avx512": "AVX-512"}.get(cpu_build.isa(), "AVX2 + FMA")
+        isa = {"amx": "AVX-512 + AMX", "avx512bf16": "AVX-512 + AVX512-BF16", "avx512": "AVX-512"}.get(
+            cpu_build.isa(), "AVX2 + FMA")
+        where = "the AMX tiles" if cpu_build.isa() == "amx" else "AVX512-BF16 dot products"
         tiles = cpu_build.tile_rows()
-        amx = (f"; products of {tiles}+ rows by bf16 weights on the AMX tiles in bf16 (float32 sums)" if tiles
+        amx = (f"; products of {tiles}+ rows by bf16 weights on {where} in bf16 (float32 sums)" if tiles
                else "")
         return (f"C kernels ({isa}), float32 activations, bf16 and FP8 weights widened as used{amx}, "
                 "one call per decoder layer for decode steps")

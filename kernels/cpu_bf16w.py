@@ -50,8 +50,9 @@ def _dense(w: torch.Tensor, scale_inv: torch.Tensor | None, block: Block | None)
 
 
 def tiles_take(rows: int, K: int, O: int, scale_inv: torch.Tensor | None = None) -> bool:
-    """Whether the kernel runs a product of `rows` rows by this weight on the AMX tiles, rounding x to bf16
-    (csrc/linear_amx.cpp: a bf16 weight, K a multiple of 32, O of 16, at least cpu_build.tile_rows() rows)."""
+    """Whether the kernel runs a product of `rows` rows by this weight in bf16, rounding x (the AMX tiles,
+    csrc/linear_amx.cpp, or AVX512-BF16 dot products, csrc/linear_dpbf16.cpp: a bf16 weight, K a multiple of
+    32, O of 16, at least cpu_build.tile_rows() rows)."""
     tiles = cpu_build.tile_rows()
     return scale_inv is None and 0 < tiles <= rows and K % 32 == 0 and O % 16 == 0
 
@@ -59,7 +60,7 @@ def tiles_take(rows: int, K: int, O: int, scale_inv: torch.Tensor | None = None)
 def reference(x_MK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None = None,
               scale_inv: torch.Tensor | None = None, block: Block | None = None) -> torch.Tensor:
     """What the kernel computes, in torch: F.linear on the widened weight, of x rounded to bf16 where the
-    product goes to the AMX tiles."""
+    product goes to the tiles (AMX or AVX512-BF16)."""
     rows = x_MK.numel() // max(1, x_MK.shape[-1])
     if tiles_take(rows, w_OK.shape[1], w_OK.shape[0], scale_inv):
         x_MK = x_MK.bfloat16().float()
@@ -117,7 +118,7 @@ def kernel_row_limit(shapes_OK: list[tuple[int, int]], candidates: tuple[int, ..
     benchmark model's shapes, milliseconds for tiny ones)."""
     if not available() or not shapes_OK:
         return MAX_ROWS
-    if cpu_build.tile_rows():  # bf16 products on the AMX tiles: measured against MKL up to 2048 rows too
+    if cpu_build.tile_rows():  # bf16 products (AMX or AVX512-BF16): measured against MKL up to 2048 rows too
         candidates = candidates + (1024, 2048)
     gen = torch.Generator().manual_seed(0)
 

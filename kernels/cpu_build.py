@@ -40,6 +40,11 @@ AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 # rows (decode at low load) stay float32. MOE_CPU_KERNEL_ISA=avx512 keeps float32 for every product.
 AMX_CPU_FLAGS = AVX512_CPU_FLAGS + ("amx_tile", "amx_bf16", "avx512_bf16")
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
+# Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later), the same products round x to bf16 and
+# multiply pairs on vdpbf16ps, 32 multiply-adds an instruction, float32 sums (csrc/linear_dpbf16.cpp; a fourth
+# library name, "avx512bf16"). "Tiles" below means either.
+AVX512BF16_CPU_FLAGS = AVX512_CPU_FLAGS + ("avx512_bf16",)
+AVX512BF16_FLAGS = ["-mavx512bf16"]
 TILE_ROWS = 16
 # With OpenMP the library needs libgomp.so.1, which resolves to the copy torch has already loaded: one
 # thread pool for torch and these kernels, sized by torch.set_num_threads. Without it, one thread.
@@ -58,19 +63,21 @@ def cpu_has(*flags: str) -> bool:
     return all(f in have for f in flags)
 
 
-_ISA_FLAGS = {"avx2": CPU_FLAGS, "avx512": AVX512_CPU_FLAGS, "amx": AMX_CPU_FLAGS}
+_ISA_FLAGS = {"avx2": CPU_FLAGS, "avx512": AVX512_CPU_FLAGS, "avx512bf16": AVX512BF16_CPU_FLAGS, "amx": AMX_CPU_FLAGS}
+_ISA_EXTRA = {"avx2": [], "avx512": AVX512_FLAGS, "avx512bf16": AVX512_FLAGS + AVX512BF16_FLAGS,
+              "amx": AVX512_FLAGS + AMX_FLAGS}
 
 
 @functools.cache
 def isa() -> str:
-    """The instruction set the kernels are built for on this machine: "amx", "avx512" or "avx2" (the most this
-    CPU has, or MOE_CPU_KERNEL_ISA)."""
+    """The instruction set the kernels are built for on this machine: "amx", "avx512bf16", "avx512" or "avx2"
+    (the most this CPU has, or MOE_CPU_KERNEL_ISA)."""
     wanted = os.environ.get("MOE_CPU_KERNEL_ISA", "").strip().lower()
     if wanted not in ("", *_ISA_FLAGS):
         raise ValueError(f"MOE_CPU_KERNEL_ISA must be one of {', '.join(_ISA_FLAGS)}, got {wanted!r}")
     if wanted and not cpu_has(*_ISA_FLAGS[wanted]):
         raise ValueError(f"MOE_CPU_KERNEL_ISA={wanted}: this CPU lacks one of {', '.join(_ISA_FLAGS[wanted])}")
-    return wanted or next((name for name in ("amx", "avx512") if cpu_has(*_ISA_FLAGS[name])), "avx2")
+    return wanted or next((name for name in ("amx", "avx512bf16", "avx512") if cpu_has(*_ISA_FLAGS[name])), "avx2")
 
 
 def sources() -> list[Path]:
@@ -96,8 +103,7 @@ def _build(openmp: bool) -> None:
     from torch.utils import cpp_extension
 
     name = NAME + ("" if isa() == "avx2" else "_" + isa())
-    flags = (FLAGS + (AVX512_FLAGS if isa() != "avx2" else []) + (AMX_FLAGS if isa() == "amx" else [])
-             + (OPENMP if openmp else []))
+    flags = FLAGS + _ISA_EXTRA[isa()] + (OPENMP if openmp else [])
     load = functools.partial(cpp_extension.load, name=name, sources=[str(s) for s in sources()],
                              extra_cflags=flags, extra_ldflags=OPENMP if openmp else [], is_python_module=False)
     try:
@@ -138,16 +144,16 @@ def unavailable_reason() -> str | None:
         reason = f"building the CPU kernels failed: {' '.join(str(err).split())[-300:]}"
         log.warning("%s; their torch references run instead", reason)
         return reason
-    if isa() == "amx" and torch.ops.moe_serve.set_tile_rows(TILE_ROWS) == 0:
+    if isa() in ("amx", "avx512bf16") and torch.ops.moe_serve.set_tile_rows(TILE_ROWS) == 0:
         log.warning("the OS refused this process the AMX tiles (arch_prctl): every product stays float32")
     return None
 
 
 def tile_rows(rows: int | None = None) -> int:
-    """The fewest rows of x that a bf16 product takes to the AMX tiles (0: none do), after setting it to `rows`
-    where given (0 turns the tiles off: the float32 kernels then run every product, as tests of their exact
-    sums want). 0 without the AMX build."""
-    if not available() or isa() != "amx":
+    """The fewest rows of x that a bf16 product takes to the tiles (AMX, or AVX512-BF16 dot products; 0: none
+    do), after setting it to `rows` where given (0 turns the tiles off: the float32 kernels then run every
+    product, as tests of their exact sums want). 0 without the AMX or AVX512-BF16 build."""
+    if not available() or isa() not in ("amx", "avx512bf16"):
         return 0
     return torch.ops.moe_serve.set_tile_rows(-1 if rows is None else max(0, rows))
 

@@ -21,23 +21,25 @@ def test_kernel_is_built_where_it_can_be():
 
 
 def test_kernel_instruction_set_is_chosen_once_from_the_cpu(monkeypatch):
-    """AMX where the CPU has AMX-BF16 (with AVX-512), else AVX-512 where it has F/BW/VL, else AVX2;
-    MOE_CPU_KERNEL_ISA asks for a lesser build anyway, and a value the machine cannot honour is a one-line
-    reason (the torch references run)."""
+    """AMX where the CPU has AMX-BF16 (with AVX-512), else AVX512-BF16 where it has that, else AVX-512 where it
+    has F/BW/VL, else AVX2; MOE_CPU_KERNEL_ISA asks for a lesser build anyway, and a value the machine cannot
+    honour is a one-line reason (the torch references run)."""
     has_avx512 = cpu_build.cpu_has(*cpu_build.AVX512_CPU_FLAGS)
+    has_bf16 = cpu_build.cpu_has(*cpu_build.AVX512BF16_CPU_FLAGS)
     has_amx = cpu_build.cpu_has(*cpu_build.AMX_CPU_FLAGS)
-    best = "amx" if has_amx else "avx512" if has_avx512 else "avx2"
+    best = "amx" if has_amx else "avx512bf16" if has_bf16 else "avx512" if has_avx512 else "avx2"
     try:
         for wanted, expect in [("", best), ("avx2", "avx2"), ("AVX2", "avx2")] + (
-                [("avx512", "avx512")] if has_avx512 else []):
+                [("avx512", "avx512")] if has_avx512 else []) + ([("avx512bf16", "avx512bf16")] if has_bf16 else []):
             monkeypatch.setenv("MOE_CPU_KERNEL_ISA", wanted)
             cpu_build.isa.cache_clear()
             assert cpu_build.isa() == expect
         monkeypatch.setenv("MOE_CPU_KERNEL_ISA", "sse4")
         cpu_build.isa.cache_clear()
-        with pytest.raises(ValueError, match="MOE_CPU_KERNEL_ISA must be one of avx2, avx512, amx, got 'sse4'"):
+        with pytest.raises(ValueError, match="MOE_CPU_KERNEL_ISA must be one of avx2, avx512, avx512bf16, amx, got 'sse4'"):
             cpu_build.isa()
-        for wanted, flag, has in [("avx512", "avx512f", has_avx512), ("amx", "avx512f", has_amx)]:
+        for wanted, flag, has in [("avx512", "avx512f", has_avx512), ("avx512bf16", "avx512f", has_bf16),
+                                  ("amx", "avx512f", has_amx)]:
             if not has:
                 monkeypatch.setenv("MOE_CPU_KERNEL_ISA", wanted)
                 cpu_build.isa.cache_clear()
@@ -61,14 +63,15 @@ def test_linear_equals_reference(rows, K, O):
     torch.testing.assert_close(cpu_bf16w.linear(x3, w), cpu_bf16w.reference(x3, w), rtol=1e-5, atol=1e-4)
 
 
-needs_tiles = pytest.mark.skipif(not cpu_build.tile_rows(), reason="no AMX tiles here (cpu_build.isa() != 'amx')")
+needs_tiles = pytest.mark.skipif(not cpu_build.tile_rows(), reason="no bf16 products here (cpu_build.isa() is "
+                                 "neither 'amx' nor 'avx512bf16')")
 
 
 @needs_tiles
 @pytest.mark.parametrize("rows", [16, 17, 31, 33, 100, 513, 2048])
 @pytest.mark.parametrize("K,O", [(64, 48), (512, 1024), (256, 80)])
-def test_amx_tiles_round_x_to_bf16_and_sum_in_float32(rows, K, O, float32_products):
-    """On the AMX build a product of 16+ rows by a bf16 weight (K a multiple of 32, O of 16) rounds x to bf16
+def test_tiles_round_x_to_bf16_and_sum_in_float32(rows, K, O, float32_products):
+    """On the AMX and AVX512-BF16 builds a product of 16+ rows by a bf16 weight (K a multiple of 32, O of 16) rounds x to bf16
     and sums in float32: it equals F.linear on x rounded (to float32 summation order), and not the float32
     product, which is what runs with the tiles off, below 16 rows and for other shapes."""
     torch.manual_seed(rows + K)
@@ -90,7 +93,7 @@ def test_amx_tiles_round_x_to_bf16_and_sum_in_float32(rows, K, O, float32_produc
 
 
 @needs_tiles
-def test_amx_tiles_in_the_experts(float32_products):
+def test_tiles_in_the_experts(float32_products):
     """The fused experts take the tiles per expert with 16+ rows: x rounded to bf16 for w13, the float32
     SiLU product rounded for w2; an expert with fewer rows stays float32."""
     from moe_serve.kernels import cpu_moe

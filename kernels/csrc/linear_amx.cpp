@@ -18,8 +18,9 @@
 #include <string.h>
 
 #include "bf16w.h"
+#include "pack_bf16.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if HAVE_AMX_BF16
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -40,47 +41,6 @@ static void tiles_on(void) {  /* every tile 16 rows of 64 bytes; per thread (a c
     c.palette = 1;
     for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
     _tile_loadconfig(&c);
-}
-
-/* out[j][i] = in[i][j] for 16 x 16 32-bit values: pairs of rows interleaved by 32 then 64 bits (within each
- * 128-bit lane), then the 4 x 4 lanes transposed */
-static inline void transpose16(const __m512i *in, __m512i *out) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
-    }
-    for (int g = 0; g < 16; g += 4) {  /* u[g + c], lane L: rows g..g + 3 of column 4L + c */
-        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
-        __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-        __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
-        out[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        out[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-        out[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        out[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-    }
-}
-
-/* xp[kp, m] = (bf16(x[m, 2kp]), bf16(x[m, 2kp + 1])) for m < M, zeros for M <= m < Mp: 16 rows by 32 columns of
- * x at a time, converted (16 pairs a row) and transposed */
-static void pack_x(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xp) {
-    __m512i rows[16], cols[16];
-    for (int64_t m0 = 0; m0 < Mp; m0 += 16)
-        for (int64_t k = 0; k < K; k += 32) {
-            for (int i = 0; i < 16; i++) {
-                const float *r = x + (m0 + i) * ldx + k;
-                rows[i] = m0 + i < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(r + 16), _mm512_loadu_ps(r))
-                                     : _mm512_setzero_si512();
-            }
-            transpose16(rows, cols);
-            for (int c = 0; c < 16; c++) _mm512_storeu_si512(xp + (k / 2 + c) * Mp + m0, cols[c]);
-        }
 }
 
 /* c [16 weight rows][16 x rows] (a C tile) into y rows m0.. (< M), columns o0..o0 + 16 */
@@ -170,7 +130,7 @@ int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t
     return 1;
 }
 
-#else
+#elif !defined(__AVX512BF16__)  /* the AVX512-BF16 build has them in linear_dpbf16.cpp */
 
 int64_t set_tile_rows(int64_t rows) {
     (void)rows;
