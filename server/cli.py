@@ -41,6 +41,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(its first token comes about that much later) so that running streams keep an even pace "
                         "instead of stalling on one long chunk; 0 (default) = as many prompt tokens per step as the "
                         "budget allows (docs/benchmarks.md, \"Serving speed, round 2\": when spreading pays)")
+    p.add_argument("--min-prompt-chunk", type=int, default=16,
+                   help="with --prompt-spread-ms, the fewest prompt tokens a step carries while prompts wait (4 with "
+                        "a spread of 300 ms kept inter-token latency most even in docs/benchmarks.md)")
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -50,6 +53,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, prompt_spread_ms=args.prompt_spread_ms,
+                min_prompt_chunk=args.min_prompt_chunk,
                 kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
 

@@ -242,3 +242,11 @@ def test_prompt_spread_config_validation():
         SchedulerConfig(prompt_spread_s=-1)
     with pytest.raises(ValueError, match="min_prompt_chunk"):
         SchedulerConfig(min_prompt_chunk=0)
+    from moe_serve.server.cli import _engine_kwargs, build_parser
+    from moe_serve.server.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="min_prompt_chunk must be a positive integer, got 0"):
+        EngineConfig(model="m", min_prompt_chunk=0)
+    args = build_parser().parse_args(["serve", "m", "--prompt-spread-ms", "300", "--min-prompt-chunk", "4"])
+    kw = _engine_kwargs(args)
+    assert kw["prompt_spread_ms"] == 300 and kw["min_prompt_chunk"] == 4

@@ -22,6 +22,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prompt_spread_ms: float = 0.0  # while decodes run, spread a new prompt over steps for up to this long (scheduler)
+    min_prompt_chunk: int = 16  # spread or not, a step with prompts pending gives them at least this many tokens
     kv_cache_tokens: int = 32768
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -49,7 +50,7 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported; expected one of {[*DTYPES, 'auto']}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "min_prompt_chunk", "kv_cache_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

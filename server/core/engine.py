@@ -78,7 +78,8 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, prompt_spread_s=config.prompt_spread_ms / 1e3), self.block_manager)
+            max_model_len=self.max_model_len, prompt_spread_s=config.prompt_spread_ms / 1e3,
+            min_prompt_chunk=config.min_prompt_chunk), self.block_manager)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0

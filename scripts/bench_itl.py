@@ -1,0 +1,158 @@
+"""Inter-token latency of the engine alone: a Poisson stream of requests replayed in process through
+`EngineCore.step()`, no HTTP, so scheduler settings can be compared in seconds. Not a test.
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_itl.py --rates 6 9 14
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_itl.py --rates 9 --settings "budget=256" "budget=64" "budget=256,spread=200"
+
+Requests as `vllm bench serve --dataset-name random` makes them for scripts/bench_peer.py: prompts of
+input-len x [1 - range-ratio, 1 + range-ratio] random token ids, output-len new tokens (EOS ignored), arriving
+at exponential gaps (seeded: every setting gets the same stream). A token's time is when the step that made it
+returns; the gaps between a request's tokens are its inter-token latencies (ITL), as a streaming client sees
+them less the HTTP path. Per setting and rate: TTFT p50 / p99, TPOT p50, ITL p50 / p99 and their ratio, output
+tokens per second, and the steps: how many carried prompt tokens, and the median step time with and without.
+floor_ratio is p99 / p50 of the gaps that steps without prompt tokens make (one per token they give): what the
+changing number of running streams alone does to inter-token latency, the part no prefill scheduling removes.
+
+A setting is comma-separated key=value: budget (max_num_batched_tokens), spread (prompt_spread_ms), seqs
+(max_num_seqs), minchunk (min_prompt_chunk). Settings and rates alternate in rounds (--repeats); medians over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO.parent))  # the checkout as the moe_serve package (see scripts/bench_step.py)
+
+import torch  # noqa: E402
+
+from moe_serve.moe.tiny import ensure_checkpoint  # noqa: E402
+from moe_serve.server import LLM, SamplingParams  # noqa: E402
+
+KEYS = {"budget": "max_num_batched_tokens", "spread": "prompt_spread_ms", "seqs": "max_num_seqs",
+        "minchunk": "min_prompt_chunk"}
+DEFAULTS = {"max_num_batched_tokens": 256, "prompt_spread_ms": 0.0, "max_num_seqs": 64, "min_prompt_chunk": 16}
+
+
+def parse_setting(text: str) -> dict:
+    out = dict(DEFAULTS)
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key not in KEYS or not value:
+            raise SystemExit(f"bad setting {part!r}: use key=value with key one of {', '.join(KEYS)}")
+        out[KEYS[key]] = float(value) if key == "spread" else int(value)
+    return out
+
+
+def make_requests(n: int, rate: float, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int):
+    """[(arrival seconds, prompt ids)], the same for every setting."""
+    rng = random.Random(seed)
+    lo, hi = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append((t, [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]))
+        t += rng.expovariate(rate) if rate != float("inf") else 0.0
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q
+    lo = int(pos)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+
+
+def replay(engine, requests, output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    arrival, times, steps, scheduled = {}, {}, [], []
+    record_step = engine.scheduler.record_step
+    engine.scheduler.record_step = lambda out, seconds: (scheduled.append(out), record_step(out, seconds))
+    start = time.perf_counter()
+    pending = list(requests)
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0][0] <= now:
+            t, ids = pending.pop(0)
+            rid = engine.add_request(ids, params)
+            arrival[rid], times[rid] = start + t, []
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
+            continue
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        t1 = time.perf_counter()
+        for out in outputs:
+            times[out.request_id].append(t1)
+        carried = scheduled[-1] if scheduled else None
+        scheduled.clear()
+        prompt_tokens = 0 if carried is None else sum(s.num_new_tokens for s in carried.scheduled if s.num_new_tokens > 1)
+        steps.append((t1 - t0, len(outputs), prompt_tokens > 0))
+    elapsed = time.perf_counter() - start
+    engine.scheduler.record_step = record_step
+    ttft = [ts[0] - arrival[r] for r, ts in times.items() if ts]
+    itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
+    tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times.values() if len(ts) > 1]
+    with_prompt = [s for s, _, p in steps if p]
+    without = [s for s, _, p in steps if not p]
+    # the floor: gaps as steps without prompt tokens make them (one per token out), the spread that the number
+    # of running streams alone gives the inter-token latency
+    floor = [s for s, n, p in steps if not p for _ in range(n)]
+    return {"ttft_p50": pct(ttft, 0.5) * 1e3, "ttft_p99": pct(ttft, 0.99) * 1e3, "tpot_p50": pct(tpot, 0.5) * 1e3,
+            "itl_p50": pct(itl, 0.5) * 1e3, "itl_p99": pct(itl, 0.99) * 1e3,
+            "ratio": pct(itl, 0.99) / max(pct(itl, 0.5), 1e-9),
+            "floor_ratio": pct(floor, 0.99) / max(pct(floor, 0.5), 1e-9), "tok_s": sum(map(len, times.values())) / elapsed,
+            "steps": len(steps), "prompt_steps": len(with_prompt),
+            "step_prompt_ms": pct(with_prompt, 0.5) * 1e3, "step_decode_ms": pct(without, 0.5) * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=".cache/bench")
+    ap.add_argument("--rates", type=float, nargs="+", default=[6.0, 9.0, 14.0])
+    ap.add_argument("--settings", nargs="+", default=["budget=256"])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.model == ".cache/bench":
+        ensure_checkpoint(Path(args.model), "bench")
+    settings = [(text, parse_setting(text)) for text in args.settings]
+    engines = {}
+    for text, kw in settings:
+        engines[text] = LLM(args.model, dtype="bfloat16", kv_cache_tokens=65536, enable_prefix_caching=False,
+                            **kw).engine
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    warm = make_requests(8, float("inf"), args.input_len, 8, args.range_ratio, vocab, args.seed + 1)
+    for engine in engines.values():
+        replay(engine, warm, 8)
+    print(f"{args.model}, {torch.get_num_threads()} thread(s), {args.num_prompts} requests per rate, prompts "
+          f"{args.input_len} x [1 +- {args.range_ratio}], {args.output_len} new tokens; medians of {args.repeats}")
+    results: dict[tuple, list[dict]] = {}
+    for rnd in range(args.repeats):
+        order = settings if rnd % 2 == 0 else settings[::-1]
+        for rate in args.rates:
+            reqs = make_requests(args.num_prompts, rate, args.input_len, args.output_len, args.range_ratio, vocab,
+                                 args.seed + int(rate * 100) + 1000 * rnd)
+            for text, _ in order:
+                results.setdefault((text, rate), []).append(replay(engines[text], reqs, args.output_len))
+    cols = ["ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "itl_p99", "ratio", "floor_ratio", "tok_s", "prompt_steps", "steps",
+            "step_prompt_ms", "step_decode_ms"]
+    print("| setting | rate | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (len(cols) + 2))
+    for (text, rate), runs in results.items():
+        med = {c: statistics.median(r[c] for r in runs) for c in cols}
+        print(f"| {text} | {rate:g} | " + " | ".join(f"{med[c]:.1f}" for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
