@@ -2,23 +2,31 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py                 # bf16 weight, float32 x
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_linear.py --fp8-weights --shape 2048 7168 --rows 1 4 16
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_linear.py --gemm        # prompt-sized products, GFLOP/s
 
 Microseconds per call for one [out, in] weight at several row counts, cycling over --weights distinct
 weights so they do not stay in cache (as in a decode step, which reads each weight once). Default: the
 bf16-weight kernel of kernels/cpu_bf16w.py (float32 x) against F.linear on the same weights held in float32. --fp8-weights: the FP8-weight kernel (the same
 weights as float8_e4m3fn with (128, 128) block scales) against the bf16-weight kernel, both float32 x.
+--gemm: GFLOP/s of prompt-sized products (rows x in x out, median of 20, one weight): the kernel as it runs
+(bf16 products on AMX or AVX512-BF16 where the build has them), the same with every product in float32
+(cpu_build.tile_rows(0)), MKL on a float32 copy of the weight, and oneDNN's bf16 matmul (torch.mm on bf16 x).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from moe_serve.kernels import cpu_bf16w  # noqa: E402
+from moe_serve.kernels import cpu_bf16w, cpu_build  # noqa: E402
+
+GEMM_SHAPES = [(256, 512, 512), (256, 512, 2048), (256, 1024, 2048), (256, 2048, 512), (48, 512, 2048),
+               (1024, 1024, 1024)]  # rows, in, out: the bench model's prompt-chunk products and one square one
 
 
 def per_call_us(fn, calls: int, repeats: int = 5) -> float:
@@ -36,7 +44,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--weights", type=int, default=64)
     ap.add_argument("--fp8-weights", action="store_true", help="FP8 against bf16 weights, float32 x")
+    ap.add_argument("--gemm", action="store_true", help="GFLOP/s of prompt-sized products (see above)")
     args = ap.parse_args()
+    if args.gemm:
+        return gemm()
     ws = [torch.randn(*args.shape, dtype=torch.bfloat16) for _ in range(args.weights)]
     ref_fn, ref_what = F.linear, "F.linear float32"
     if not cpu_bf16w.available():
@@ -58,6 +69,33 @@ def main() -> None:
         ref = per_call_us(lambda: [ref_fn(x, w) for w in ref_ws], len(ws))
         new = per_call_us(lambda: [new_fn(x, w) for w in ws], len(ws))
         print(f"{m:>6} {ref:>22.1f} {new:>22.1f} {ref / new:>5.2f}x")
+
+
+def gemm() -> None:
+    def median_s(fn, n: int = 20) -> float:
+        fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    tiles = cpu_build.tile_rows()
+    print(f"kernel build {cpu_build.isa()} (bf16 products from {tiles or 'no'} rows), {torch.get_num_threads()} "
+          f"thread(s), torch {torch.__version__}; GFLOP/s, median of 20")
+    print(f"{'rows x in x out':>18} {'kernel':>8} {'float32 kernel':>15} {'MKL float32':>12} {'oneDNN bf16':>12}")
+    for M, K, O in GEMM_SHAPES:
+        x, w = torch.randn(M, K), torch.randn(O, K).bfloat16()
+        wf, xb, flop = w.float(), x.bfloat16(), 2 * M * K * O / 1e9
+        kernel = median_s(lambda: cpu_bf16w.linear(x, w))
+        cpu_build.tile_rows(0)
+        try:
+            f32 = median_s(lambda: cpu_bf16w.linear(x, w))
+        finally:
+            cpu_build.tile_rows(tiles)
+        mkl, onednn = median_s(lambda: torch.mm(x, wf.T)), median_s(lambda: torch.mm(xb, w.T))
+        print(f"{f'{M} x {K} x {O}':>18} {flop / kernel:>8.0f} {flop / f32:>15.0f} {flop / mkl:>12.0f} {flop / onednn:>12.0f}")
 
 
 if __name__ == "__main__":
