@@ -39,7 +39,7 @@ static inline void transpose16(const __m512i *in, __m512i *out) {
 
 /* xp[kp, m] = (bf16(x[m, 2kp]), bf16(x[m, 2kp + 1])) for m < M, zeros for M <= m < Mp: 16 rows by 32 columns of
  * x at a time, converted (16 pairs a row) and transposed */
-static void pack_x(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xp) {
+static inline void pack_x(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xp) {
     __m512i rows[16], cols[16];
     for (int64_t m0 = 0; m0 < Mp; m0 += 16)
         for (int64_t k = 0; k < K; k += 32) {
