@@ -60,11 +60,9 @@ int64_t set_tile_rows(int64_t rows) {
 
 int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                  int64_t O) {
-    if (!dp_rows || M < dp_rows || w->scale || K % 32 || O % 16) return 0;
-    int64_t Mp = (M + 15) & ~(int64_t)15;
-    uint32_t *xp = (uint32_t *)thread_scratch((size_t)(K / 2) * (size_t)Mp * 4);
+    int64_t Mp;
+    uint32_t *xp = packed_x_for(x, ldx, w, M, K, O, dp_rows, &Mp);
     if (!xp) return 0;
-    pack_x(x, ldx, M, Mp, K, xp);
     const uint16_t *wd = (const uint16_t *)w->data;
     int64_t ldw = w->ld, blocks = (O + 31) / 32;
     int nt = threads_for_region();
