@@ -146,8 +146,7 @@ class EngineLink:
         closer.start()
         await asyncio.get_running_loop().run_in_executor(None, closer.join, 2.0)
         if closer.is_alive():
-            log.warning("the engine link's ZMQ context did not terminate within 2 s; leaving it to process exit")  # closes any socket still open in the context, then terminates it (term() alone
-        # waited forever, once in a test run, on a socket left open)
+            log.warning("the engine link's ZMQ context did not terminate within 2 s; leaving it to process exit")
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
