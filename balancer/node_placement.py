@@ -156,7 +156,8 @@ def _spend_slack(plan_LR: torch.Tensor, anchor_LR: torch.Tensor, weight_LE: torc
     """The balance target holds for the mean over layers: where the layers together balance above it, layers
     whose grouped layout (the anchor) fell short of their own target, and where that anchor sends fewer
     cross-node rows than the layer's plan, go back to the anchor, least balance per row saved first, while the
-    mean stays at or above the mean target. Only anchors within _NEAR of their layer's target qualify. In place on plan_LR."""
+    mean stays at or above the mean target. Only anchors within _NEAR of their layer's target qualify. In place
+    on plan_LR."""
     all_L = torch.arange(len(plan_LR))
     plan_bal_L = node_local_balancedness(weight_LE, plan_LR, num_gpus, num_nodes)
     anchor_bal_L = node_local_balancedness(weight_LE, anchor_LR, num_gpus, num_nodes)

@@ -46,6 +46,7 @@ AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
 AVX512BF16_CPU_FLAGS = AVX512_CPU_FLAGS + ("avx512_bf16",)
 AVX512BF16_FLAGS = ["-mavx512bf16"]
 TILE_ROWS = 16
+TILE_ISAS = ("amx", "avx512bf16")  # the builds whose products of TILE_ROWS+ rows are bf16
 # With OpenMP the library needs libgomp.so.1, which resolves to the copy torch has already loaded: one
 # thread pool for torch and these kernels, sized by torch.set_num_threads. Without it, one thread.
 OPENMP = ["-fopenmp"]
@@ -63,7 +64,8 @@ def cpu_has(*flags: str) -> bool:
     return all(f in have for f in flags)
 
 
-_ISA_FLAGS = {"avx2": CPU_FLAGS, "avx512": AVX512_CPU_FLAGS, "avx512bf16": AVX512BF16_CPU_FLAGS, "amx": AMX_CPU_FLAGS}
+_ISA_FLAGS = {"avx2": CPU_FLAGS, "avx512": AVX512_CPU_FLAGS, "avx512bf16": AVX512BF16_CPU_FLAGS,
+              "amx": AMX_CPU_FLAGS}
 _ISA_EXTRA = {"avx2": [], "avx512": AVX512_FLAGS, "avx512bf16": AVX512_FLAGS + AVX512BF16_FLAGS,
               "amx": AVX512_FLAGS + AMX_FLAGS}
 
@@ -77,7 +79,8 @@ def isa() -> str:
         raise ValueError(f"MOE_CPU_KERNEL_ISA must be one of {', '.join(_ISA_FLAGS)}, got {wanted!r}")
     if wanted and not cpu_has(*_ISA_FLAGS[wanted]):
         raise ValueError(f"MOE_CPU_KERNEL_ISA={wanted}: this CPU lacks one of {', '.join(_ISA_FLAGS[wanted])}")
-    return wanted or next((name for name in ("amx", "avx512bf16", "avx512") if cpu_has(*_ISA_FLAGS[name])), "avx2")
+    best = next((name for name in ("amx", "avx512bf16", "avx512") if cpu_has(*_ISA_FLAGS[name])), "avx2")
+    return wanted or best
 
 
 def sources() -> list[Path]:
@@ -144,7 +147,7 @@ def unavailable_reason() -> str | None:
         reason = f"building the CPU kernels failed: {' '.join(str(err).split())[-300:]}"
         log.warning("%s; their torch references run instead", reason)
         return reason
-    if isa() in ("amx", "avx512bf16") and torch.ops.moe_serve.set_tile_rows(TILE_ROWS) == 0:
+    if isa() in TILE_ISAS and torch.ops.moe_serve.set_tile_rows(TILE_ROWS) == 0:  # only AMX can be refused
         log.warning("the OS refused this process the AMX tiles (arch_prctl): every product stays float32")
     return None
 
@@ -153,7 +156,7 @@ def tile_rows(rows: int | None = None) -> int:
     """The fewest rows of x that a bf16 product takes to the tiles (AMX, or AVX512-BF16 dot products; 0: none
     do), after setting it to `rows` where given (0 turns the tiles off: the float32 kernels then run every
     product, as tests of their exact sums want). 0 without the AMX or AVX512-BF16 build."""
-    if not available() or isa() not in ("amx", "avx512bf16"):
+    if not available() or isa() not in TILE_ISAS:
         return 0
     return torch.ops.moe_serve.set_tile_rows(-1 if rows is None else max(0, rows))
 

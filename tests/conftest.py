@@ -24,8 +24,8 @@ def one_thread():
 
 @pytest.fixture
 def float32_products():
-    """Every bf16 product in float32 (the bf16 products off: AMX tiles or AVX512-BF16, where the build has them): for tests of the float32
-    kernels' sums and of greedy tokens on random weights, whose near-tied logits bf16 rounding reorders."""
+    """Every product in float32 (the bf16 products of the AMX or AVX512-BF16 build off): for tests of the
+    float32 kernels' sums and of greedy tokens on random weights, whose near-tied logits bf16 rounding reorders."""
     from moe_serve.kernels import cpu_build
 
     tiles = cpu_build.tile_rows()

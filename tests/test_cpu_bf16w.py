@@ -36,7 +36,8 @@ def test_kernel_instruction_set_is_chosen_once_from_the_cpu(monkeypatch):
             assert cpu_build.isa() == expect
         monkeypatch.setenv("MOE_CPU_KERNEL_ISA", "sse4")
         cpu_build.isa.cache_clear()
-        with pytest.raises(ValueError, match="MOE_CPU_KERNEL_ISA must be one of avx2, avx512, avx512bf16, amx, got 'sse4'"):
+        with pytest.raises(ValueError,
+                           match="MOE_CPU_KERNEL_ISA must be one of avx2, avx512, avx512bf16, amx, got 'sse4'"):
             cpu_build.isa()
         for wanted, flag, has in [("avx512", "avx512f", has_avx512), ("avx512bf16", "avx512f", has_bf16),
                                   ("amx", "avx512f", has_amx)]:
@@ -71,9 +72,9 @@ needs_tiles = pytest.mark.skipif(not cpu_build.tile_rows(), reason="no bf16 prod
 @pytest.mark.parametrize("rows", [16, 17, 31, 33, 100, 513, 2048])
 @pytest.mark.parametrize("K,O", [(64, 48), (512, 1024), (256, 80)])
 def test_tiles_round_x_to_bf16_and_sum_in_float32(rows, K, O, float32_products):
-    """On the AMX and AVX512-BF16 builds a product of 16+ rows by a bf16 weight (K a multiple of 32, O of 16) rounds x to bf16
-    and sums in float32: it equals F.linear on x rounded (to float32 summation order), and not the float32
-    product, which is what runs with the tiles off, below 16 rows and for other shapes."""
+    """On the AMX and AVX512-BF16 builds a product of 16+ rows by a bf16 weight (K a multiple of 32, O of 16)
+    rounds x to bf16 and sums in float32: it equals F.linear on x rounded (to float32 summation order), and not
+    the float32 product, which is what runs with the tiles off, below 16 rows and for other shapes."""
     torch.manual_seed(rows + K)
     x, w = torch.randn(rows, K), torch.randn(O, K).bfloat16()
     on_bf16_x = torch.nn.functional.linear(x.bfloat16().float(), w.float())

@@ -68,8 +68,8 @@ def test_cpu_backend_on_narrow_weights(tmp_path, monkeypatch, caplog, float32_pr
     kernels and all-decode steps one layer per call. The torch backend in float32 on the same values is the
     reference: the bf16 cache rounding and the kernels' summation order separate them, so the same greedy
     tokens with logprobs close (measured up to 0.014). Float32 products throughout: on random weights the
-    bf16 products' rounding of activations (AMX or AVX512-BF16) reorders near-tied logits (tests/test_trained_model.py checks
-    the tiles on the trained model)."""
+    bf16 products' rounding of activations (AMX or AVX512-BF16) reorders near-tied logits
+    (tests/test_trained_model.py checks them on the trained model)."""
     caplog.set_level("INFO")
     ckpt = make_checkpoint(tmp_path / "ckpt", "v3", dtype="bfloat16", fp8=fp8)
     llm = LLM(ckpt, dtype="bfloat16", kernel_backend="cpu", max_num_batched_tokens=16)  # chunked prefill + decode
