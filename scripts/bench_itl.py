@@ -2,7 +2,8 @@
 `EngineCore.step()`, no HTTP, so scheduler settings can be compared in seconds. Not a test.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_itl.py --rates 6 9 14
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_itl.py --rates 9 --settings "budget=256" "budget=64" "budget=256,spread=200"
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_itl.py --rates 9 \
+        --settings "budget=256" "budget=64" "budget=256,spread=300,minchunk=4"
 
 Requests as `vllm bench serve --dataset-name random` makes them for scripts/bench_peer.py: prompts of
 input-len x [1 - range-ratio, 1 + range-ratio] random token ids, output-len new tokens (EOS ignored), arriving
@@ -14,7 +15,8 @@ floor_ratio is p99 / p50 of the gaps that steps without prompt tokens make (one 
 changing number of running streams alone does to inter-token latency, the part no prefill scheduling removes.
 
 A setting is comma-separated key=value: budget (max_num_batched_tokens), spread (prompt_spread_ms), seqs
-(max_num_seqs), minchunk (min_prompt_chunk). Settings and rates alternate in rounds (--repeats); medians over the rounds.
+(max_num_seqs), minchunk (min_prompt_chunk). Settings and rates alternate in rounds (--repeats); medians over
+the rounds.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch  # noqa: E402
 
 from moe_serve.moe.tiny import ensure_checkpoint  # noqa: E402
 from moe_serve.server import LLM, SamplingParams  # noqa: E402
+from moe_serve.server.tools.bench import percentile  # noqa: E402
 
 KEYS = {"budget": "max_num_batched_tokens", "spread": "prompt_spread_ms", "seqs": "max_num_seqs",
         "minchunk": "min_prompt_chunk"}
@@ -60,20 +63,10 @@ def make_requests(n: int, rate: float, input_len: int, output_len: int, range_ra
     return out
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    pos = (len(s) - 1) * q
-    lo = int(pos)
-    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
-
-
 def replay(engine, requests, output_len: int) -> dict:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    arrival, times, steps, scheduled = {}, {}, [], []
-    record_step = engine.scheduler.record_step
-    engine.scheduler.record_step = lambda out, seconds: (scheduled.append(out), record_step(out, seconds))
+    arrival, times, steps = {}, {}, []
+    sched = engine.scheduler
     start = time.perf_counter()
     pending = list(requests)
     while pending or engine.has_unfinished_requests():
@@ -85,17 +78,16 @@ def replay(engine, requests, output_len: int) -> dict:
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
             continue
+        # prompt tokens left to compute: the step carries some (every step gives waiting prompts at least
+        # min_prompt_chunk tokens)
+        prompts = bool(sched.waiting) or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running)
         t0 = time.perf_counter()
         outputs = engine.step()
         t1 = time.perf_counter()
         for out in outputs:
             times[out.request_id].append(t1)
-        carried = scheduled[-1] if scheduled else None
-        scheduled.clear()
-        prompt_tokens = 0 if carried is None else sum(s.num_new_tokens for s in carried.scheduled if s.num_new_tokens > 1)
-        steps.append((t1 - t0, len(outputs), prompt_tokens > 0))
+        steps.append((t1 - t0, len(outputs), prompts))
     elapsed = time.perf_counter() - start
-    engine.scheduler.record_step = record_step
     ttft = [ts[0] - arrival[r] for r, ts in times.items() if ts]
     itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
     tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times.values() if len(ts) > 1]
@@ -104,12 +96,13 @@ def replay(engine, requests, output_len: int) -> dict:
     # the floor: gaps as steps without prompt tokens make them (one per token out), the spread that the number
     # of running streams alone gives the inter-token latency
     floor = [s for s, n, p in steps if not p for _ in range(n)]
-    return {"ttft_p50": pct(ttft, 0.5) * 1e3, "ttft_p99": pct(ttft, 0.99) * 1e3, "tpot_p50": pct(tpot, 0.5) * 1e3,
-            "itl_p50": pct(itl, 0.5) * 1e3, "itl_p99": pct(itl, 0.99) * 1e3,
-            "ratio": pct(itl, 0.99) / max(pct(itl, 0.5), 1e-9),
-            "floor_ratio": pct(floor, 0.99) / max(pct(floor, 0.5), 1e-9), "tok_s": sum(map(len, times.values())) / elapsed,
+    return {"ttft_p50": percentile(ttft, 50) * 1e3, "ttft_p99": percentile(ttft, 99) * 1e3,
+            "tpot_p50": percentile(tpot, 50) * 1e3, "itl_p50": percentile(itl, 50) * 1e3,
+            "itl_p99": percentile(itl, 99) * 1e3, "ratio": percentile(itl, 99) / max(percentile(itl, 50), 1e-9),
+            "floor_ratio": percentile(floor, 99) / max(percentile(floor, 50), 1e-9),
+            "tok_s": sum(map(len, times.values())) / elapsed,
             "steps": len(steps), "prompt_steps": len(with_prompt),
-            "step_prompt_ms": pct(with_prompt, 0.5) * 1e3, "step_decode_ms": pct(without, 0.5) * 1e3}
+            "step_prompt_ms": percentile(with_prompt, 50) * 1e3, "step_decode_ms": percentile(without, 50) * 1e3}
 
 
 def main() -> None:
@@ -145,8 +138,8 @@ def main() -> None:
                                  args.seed + int(rate * 100) + 1000 * rnd)
             for text, _ in order:
                 results.setdefault((text, rate), []).append(replay(engines[text], reqs, args.output_len))
-    cols = ["ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "itl_p99", "ratio", "floor_ratio", "tok_s", "prompt_steps", "steps",
-            "step_prompt_ms", "step_decode_ms"]
+    cols = ["ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "itl_p99", "ratio", "floor_ratio", "tok_s", "prompt_steps",
+            "steps", "step_prompt_ms", "step_decode_ms"]
     print("| setting | rate | " + " | ".join(cols) + " |")
     print("|" + "---|" * (len(cols) + 2))
     for (text, rate), runs in results.items():
