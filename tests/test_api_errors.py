@@ -116,10 +116,13 @@ def _wait_idle(server, idle_kv: float, timeout_s: float = 60.0) -> dict:
 def test_disconnected_streams_free_kv_blocks(server):
     before = _wait_idle(server, 0.0)
     idle_kv = kv_usage(before)
-    got_tokens, may_leave = threading.Barrier(21), threading.Event()
+    # all 20 requests go out together: a thread that starts late must find the others still streaming (each
+    # finishes its max_tokens in a second or two on the tiny model)
+    start, got_tokens, may_leave = threading.Barrier(20), threading.Barrier(21), threading.Event()
     seen: dict[int, list[str]] = {}  # per stream, the data lines it read (shown if the check below fails)
 
     def stream(i):
+        start.wait(60)
         with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
                 "prompt": f"Request {i} streams for a long time", "max_tokens": MAX_MODEL_LEN - 64, "temperature": 0,
                 "ignore_eos": True, "stream": True}) as r:
