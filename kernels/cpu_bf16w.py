@@ -157,7 +157,8 @@ def mm_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor, scale_
 def bmm(x_BMK: torch.Tensor, w_BOK: torch.Tensor, scale_inv: torch.Tensor | None = None,
         block: Block | None = None) -> torch.Tensor:
     """out[b] = x[b] w[b]^T for float32 x and a bf16 w, or an FP8 one with scales [B, ceil(O / bo),
-    ceil(K / bk)] (per-head weights: MLA's W_UK / W_UV absorption); float32 out [B, M, O]."""
+    ceil(K / bk)] (per-head weights: MLA's W_UK / W_UV absorption); float32 out [B, M, O]. Each head's product
+    is one `linear`: with M of 16+ rows on the AMX or AVX512-BF16 build, x rounded to bf16 (`reference`)."""
     out_BMO = x_BMK.new_empty(x_BMK.shape[0], x_BMK.shape[1], w_BOK.shape[1])
     bmm_into(x_BMK, w_BOK, out_BMO, scale_inv, block)
     return out_BMO

@@ -117,6 +117,22 @@ def test_tiles_in_the_experts(float32_products):
     torch.testing.assert_close(cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids), want, rtol=1e-4, atol=1e-5)
 
 
+@needs_tiles
+def test_tiles_in_the_per_head_products(float32_products):
+    """MLA's per-head products (W_UK / W_UV absorption) take the bf16 products like a linear: x rounded to
+    bf16 with 16+ rows a head, float32 below that; x rows strided by heads as the model passes them."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 64, 128).bfloat16()
+    for rows in (15, 16, 40):
+        x = torch.randn(rows, 4, 128).transpose(0, 1)
+        exact = torch.bmm(x, w.float().transpose(1, 2))
+        torch.testing.assert_close(cpu_bf16w.bmm(x, w), exact, rtol=1e-5, atol=1e-4)  # products off
+        cpu_build.tile_rows(cpu_build.TILE_ROWS)
+        want = torch.bmm(x.bfloat16().float(), w.float().transpose(1, 2)) if rows >= 16 else exact
+        torch.testing.assert_close(cpu_bf16w.bmm(x, w), want, rtol=1e-5, atol=1e-4)
+        cpu_build.tile_rows(0)
+
+
 def test_mm_into_a_strided_output():
     torch.manual_seed(0)
     x, w = torch.randn(6, 40), torch.randn(24, 40).bfloat16()

@@ -132,6 +132,7 @@ void linear_w_batched(const float *x, int64_t ldx, int64_t bsx, const Weight *w,
 #endif
     for (int64_t b = 0; b < batch; b++) {
         Weight wb = weight_at(*w, b);
-        linear_serial(x + b * bsx, ldx, &wb, 0, y + b * bsy, ldy, M, K, O);
+        if (!linear_tiles(x + b * bsx, ldx, &wb, y + b * bsy, ldy, M, K, O))  /* bf16 products: as linear_w */
+            linear_serial(x + b * bsx, ldx, &wb, 0, y + b * bsy, ldy, M, K, O);
     }
 }

@@ -10,7 +10,8 @@
  * x is packed once per call into xp [K / 2, Mp] of (bf16, bf16) pairs along K (pack_bf16.h), so 16 x rows'
  * pairs at one k lie in one vector; the weight stays as loaded ([O, K]): its pair (w[o, 2kp], w[o, 2kp + 1])
  * is one 32-bit value, broadcast to all lanes. A step of the inner loop multiplies 8 weight rows by up to 48
- * x rows (24 accumulators of 16 lanes: lane j holds y[m0 + 16i + j, o0 + o]). Each thread takes 32 weight
+ * x rows (24 accumulators of 16 lanes: lane j holds y[m0 + 16i + j, o0 + o]), or 16 weight rows by the last 16
+ * (decode batches of 16: twice the sums in flight). The weight's rows are prefetched a group ahead. Each thread takes 32 weight
  * rows at a time against all of x, 48 x rows at a time, their 48 x 32 outputs gathered in a buffer and
  * copied into y a row at a time (stored straight into y, the scattered columns cost up to half the time
  * where y rows are long). Shapes that this does not cover (O not a multiple of 16, K not one of 32,
@@ -25,29 +26,32 @@
 
 static int64_t dp_rows; /* 0: off */
 
-/* weight rows o0 .. o0 + 8 against x rows m0 .. m0 + 16 * NM (zeros past M in xp), into columns oc .. oc + 8 of
- * c [16 * NM][32] */
-template <int NM>
-static void rows8(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t Mp, int64_t K, int64_t m0,
-                  int64_t o0, float *c, int oc) {
-    __m512 acc[8][NM];
-    const int32_t *wr[8];
-    for (int o = 0; o < 8; o++) {
+/* weight rows o0 .. o0 + NO against x rows m0 .. m0 + 16 * NM (zeros past M in xp), into columns oc .. oc + NO
+ * of c [16 * NM][32] */
+template <int NO, int NM>
+static void rows_block(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t Mp, int64_t K, int64_t m0,
+                       int64_t o0, float *c, int oc) {
+    __m512 acc[NO][NM];
+    const int32_t *wr[NO];
+    for (int o = 0; o < NO; o++) {
         wr[o] = (const int32_t *)(w + (o0 + o) * ldw);
         for (int i = 0; i < NM; i++) acc[o][i] = _mm512_setzero_ps();
     }
     const uint32_t *xr = xp + m0;
     for (int64_t kp = 0; kp < K / 2; kp++, xr += Mp) {
+        if ((kp & 15) == 0) /* the same line of the next NO weight rows: NO short rows read side by side are
+                               more streams than the hardware prefetcher follows, on a weight read from memory */
+            for (int o = 0; o < NO; o++) _mm_prefetch((const char *)(wr[o] + NO * ldw / 2 + kp), _MM_HINT_T0);
         __m512bh xv[NM];
         for (int i = 0; i < NM; i++) xv[i] = (__m512bh)_mm512_loadu_si512(xr + 16 * i);
-        for (int o = 0; o < 8; o++) {
+        for (int o = 0; o < NO; o++) {
             __m512bh wv = (__m512bh)_mm512_set1_epi32(wr[o][kp]);
             for (int i = 0; i < NM; i++) acc[o][i] = _mm512_dpbf16_ps(acc[o][i], xv[i], wv);
         }
     }
     alignas(64) float lanes[16];
     for (int i = 0; i < NM; i++)
-        for (int o = 0; o < 8; o++) {
+        for (int o = 0; o < NO; o++) {
             _mm512_store_ps(lanes, acc[o][i]);
             for (int j = 0; j < 16; j++) c[(16 * i + j) * 32 + oc + o] = lanes[j];
         }
@@ -75,14 +79,15 @@ int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t
         alignas(64) float c[48 * 32]; /* the block's y for 48 x rows, copied out a row at a time */
         for (int64_t m0 = 0; m0 < Mp; m0 += 48) { /* 48 x rows stay in cache for the block's weight rows */
             int64_t left = (Mp - m0) / 16;
-            for (int oc = 0; oc < width; oc += 8) {
-                if (left >= 3)
-                    rows8<3>(wd, ldw, xp, Mp, K, m0, ob + oc, c, oc);
-                else if (left == 2)
-                    rows8<2>(wd, ldw, xp, Mp, K, m0, ob + oc, c, oc);
-                else
-                    rows8<1>(wd, ldw, xp, Mp, K, m0, ob + oc, c, oc);
-            }
+            if (left == 1) /* 16 x rows: 16 weight rows a step, so 16 sums are in flight */
+                for (int oc = 0; oc < width; oc += 16) rows_block<16, 1>(wd, ldw, xp, Mp, K, m0, ob + oc, c, oc);
+            else
+                for (int oc = 0; oc < width; oc += 8) {
+                    if (left >= 3)
+                        rows_block<8, 3>(wd, ldw, xp, Mp, K, m0, ob + oc, c, oc);
+                    else
+                        rows_block<8, 2>(wd, ldw, xp, Mp, K, m0, ob + oc, c, oc);
+                }
             for (int64_t m = m0; m < M && m < m0 + 48; m++)
                 memcpy(y + m * ldy + ob, c + (m - m0) * 32, (size_t)width * sizeof(float));
         }

@@ -39,6 +39,51 @@ static void softmax_inplace(float *s, int64_t L) {
     for (int64_t i = 0; i < L; i++) s[i] *= inv;
 }
 
+#ifdef __AVX512F__
+/* o[n0 + n, c0 .. c0 + 16 NC) += sum over the rows r of p[n0 + n, r] * row_r[c0 ..), n < NH: the NH x NC
+ * sums stay in registers over all the rows, so each o vector is loaded and stored once per cache block and a
+ * row's chunk is widened once for NH heads */
+template <int NH, int NC>
+static void weighted_chunk(const float *p, int64_t ldp, const uint16_t *kv, int64_t D, int64_t rows, float *o,
+                           int64_t ldo, int64_t c0) {
+    __m512 acc[NH][NC];
+    for (int n = 0; n < NH; n++)
+        for (int i = 0; i < NC; i++) acc[n][i] = _mm512_loadu_ps(o + n * ldo + c0 + 16 * i);
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 w[NC];
+        for (int i = 0; i < NC; i++) w[i] = load_bf16x16(kv + r * D + c0 + 16 * i);
+        for (int n = 0; n < NH; n++) {
+            __m512 pn = _mm512_set1_ps(p[n * ldp + r]);
+            for (int i = 0; i < NC; i++) acc[n][i] = _mm512_fmadd_ps(pn, w[i], acc[n][i]);
+        }
+    }
+    for (int n = 0; n < NH; n++)
+        for (int i = 0; i < NC; i++) _mm512_storeu_ps(o + n * ldo + c0 + 16 * i, acc[n][i]);
+}
+
+template <int NH>
+static void weighted_heads(const float *p, int64_t ldp, const uint16_t *kv, int64_t D, int64_t rows, float *o,
+                           int64_t ldo, int64_t C) {
+    int64_t c = 0;
+    for (; c + 48 <= C; c += 48) weighted_chunk<NH, 3>(p, ldp, kv, D, rows, o, ldo, c);
+    for (; c + 16 <= C; c += 16) weighted_chunk<NH, 1>(p, ldp, kv, D, rows, o, ldo, c);
+    for (; c < C; c++)
+        for (int64_t n = 0; n < NH; n++)
+            for (int64_t r = 0; r < rows; r++) o[n * ldo + c] += p[n * ldp + r] * bf16_to_f32(kv[r * D + c]);
+}
+
+typedef void (*heads_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t);
+static const heads_fn HEADS[9] = {0, weighted_heads<1>, weighted_heads<2>, weighted_heads<3>, weighted_heads<4>,
+                                  weighted_heads<5>, weighted_heads<6>, weighted_heads<7>, weighted_heads<8>};
+
+/* o[n, 0..C) += sum over the rows r of p[n, r] * row_r[0..C), for `rows` consecutive cached rows (stride D)
+ * and N heads; p has row stride ldp, o row stride ldo. Eight heads at a time. */
+static void weighted_rows(const float *p, int64_t ldp, const uint16_t *kv, int64_t D, int64_t rows,
+                          float *o, int64_t ldo, int64_t N, int64_t C) {
+    for (int64_t n0 = 0; n0 < N; n0 += 8)
+        HEADS[N - n0 < 8 ? N - n0 : 8](p + n0 * ldp, ldp, kv, D, rows, o + n0 * ldo, ldo, C);
+}
+#else
 /* o[n, 0..C) += sum over the rows r of p[n, r] * row_r[0..C), for `rows` consecutive cached rows (stride D)
  * and N heads; p has row stride ldp, o row stride ldo. Four rows at a time: each o chunk is loaded and
  * stored once per four rows. */
@@ -82,6 +127,7 @@ static void weighted_rows(const float *p, int64_t ldp, const uint16_t *kv, int64
             for (int64_t n = 0; n < N; n++) o[n * ldo + c] += p[n * ldp + r] * bf16_to_f32(k0[c]);
     }
 }
+#endif
 
 int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
                      const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
