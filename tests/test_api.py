@@ -108,6 +108,24 @@ def test_completions_stream_equal_offline_usage_last(client, llm):
     assert finish == [e[0].finish_reason for e in expected]
 
 
+def test_completions_stream_a_chunk_per_token(client, llm):
+    """Every generated token gets its chunk, also while its text is held back (here: it could still begin a
+    stop string), as vLLM streams: clients such as `vllm bench serve` time each token from its chunk."""
+    stop = "\x00" * 40  # never generated, so the first 39 characters wait for more text to rule it out
+    expected = offline(llm, [PROMPTS[0]], max_tokens=12, temperature=0.0, stop=[stop])[0][0]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
+                                            stop=[stop]))
+    texts = [c.choices[0].text for c in chunks]
+    assert len(chunks) == len(expected.token_ids) and "".join(texts) == expected.text
+    assert texts[0] == ""  # held back, yet sent
+    messages = [{"role": "user", "content": "Hi there"}]
+    expected = offline(llm, [chat_ids(llm, messages)], max_tokens=12, temperature=0.0, stop=[stop])[0][0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stop=[stop]))[1:]  # after the role's chunk
+    assert len(chunks) == len(expected.token_ids)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+
+
 def test_stream_without_include_usage_has_no_usage(client):
     chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, stream=True))
     assert all(c.usage is None for c in chunks)

@@ -262,8 +262,9 @@ class OpenAIServing:
                 text_offsets = {c.index: 0 for c in choices}
                 async for c, n_new in self.events(choices, queue):
                     delta = c.stream_delta()
-                    if not delta and not c.finished and not (want_lp and n_new):
-                        continue
+                    if not n_new and not delta and not c.finished:
+                        continue  # a chunk for every new token, also one whose text is held back (part of a
+                        # character, a possible stop string): as vLLM streams, so a client times every token
                     lp = None
                     if want_lp:
                         lp = self._completion_logprobs(c, len(c.token_ids) - n_new, text_offsets[c.index])
@@ -379,6 +380,9 @@ class OpenAIServing:
                 parsers = {c.index: tools.StreamParser() for c in choices} if mode != "none" else {}
                 async for c, n_new in self.events(choices, queue):
                     delta = self._chat_delta(c.stream_delta(), parsers.get(c.index), c.finished)
+                    if not delta and n_new and not c.finished and c.index not in parsers:
+                        delta = {"content": ""}  # a chunk for every new token, as for completions (a tool-call
+                        # parser's held text is not sent, as in vLLM)
                     if not delta and not c.finished and not (body.logprobs and n_new):
                         continue
                     lp = self._chat_logprobs(c, len(c.token_ids) - n_new, top_n) if body.logprobs else None
