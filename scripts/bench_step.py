@@ -7,6 +7,7 @@
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 1 4 --phases  # engine phases, per layer
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 4 --profile   # torch ops (torch.profiler)
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running --prefill 64 256 1024  # against matmul peak
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 1 4 8 16 --steps 400 --jitter
 
 Builds the benchmark checkpoint if missing (.cache/bench), adds N requests of random 64-192 token prompts,
 prefills them all, then times --steps decode steps and prints the median and minimum per N. --kernels
@@ -16,6 +17,8 @@ splits the step into the engine's phases (schedule, input preparation, model for
 update) and the forward into its decoder layers; --profile prints torch.profiler's top ops. --prefill N
 times a step that computes one N-token prompt alone, counts its multiply-adds from the model's shapes,
 and reports it as a fraction of the machine's matmul peak (one large GEMM, measured in the same run).
+--jitter: how much steps of the same work differ (the machine's noise, which no scheduler removes): p90 and
+p99 of each step's time over the median of its 21 neighbours (which follows the contexts' growth).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch  # noqa: E402
 from moe_serve.kernels import cpu_build  # noqa: E402
 from moe_serve.moe.tiny import ensure_checkpoint  # noqa: E402
 from moe_serve.server import LLM, SamplingParams  # noqa: E402
+from moe_serve.server.tools.bench import percentile  # noqa: E402
 
 
 def main() -> None:
@@ -52,6 +56,8 @@ def main() -> None:
                     help="decode steps call each kernel from Python, not one C call per layer (kernels/cpu_decode_layer.py): "
                          "with --kernels, the time of each kernel inside a layer")
     ap.add_argument("--phases", action="store_true", help="time the engine's phases and each decoder layer")
+    ap.add_argument("--jitter", action="store_true",
+                    help="p90 / p99 of each decode step's time over the median of its 21 neighbours (use --steps 400)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler's top ops over the decode (and --prefill) steps")
     ap.add_argument("--prefill", type=int, nargs="*", default=[],
                     help="prompt lengths: time a step computing one such prompt alone, against the matmul peak")
@@ -108,6 +114,8 @@ def main() -> None:
             f" {statistics.median(read) / 1e6:>8.1f} {statistics.median(read) / bandwidth * 1e3:>9.2f}"
             f" {statistics.median(read) / bandwidth / median:>13.2f}")
         print(f"{n:>8} {prefill * 1e3:>15.0f} {median * 1e3:>15.1f} {min(times) * 1e3:>12.1f}{bound}")
+        if args.jitter:
+            print(jitter_line(times))
         if kernel_s is not None:
             per_step = {name: s / args.steps * 1e3 for name, s in kernel_s.items()}
             rest = sum(times) / args.steps * 1e3 - sum(per_step.values())
@@ -119,6 +127,14 @@ def main() -> None:
         print_profile(profiler)
     if args.prefill:
         prefill_against_peak(engine, args.prefill, args.seed, profile=args.profile)
+
+
+def jitter_line(times: list[float], half: int = 10) -> str:
+    """Steps of one batch doing the same work: each step's time over the median of its 2 * half + 1 neighbours
+    (the local median follows the slow growth of the contexts), and the p90 / p99 of that ratio."""
+    rel = [t / statistics.median(times[max(0, i - half):i + half + 1]) for i, t in enumerate(times)]
+    return (f"         jitter over {len(times)} steps: step / local median p90 {percentile(rel, 90):.2f}, p99 "
+            f"{percentile(rel, 99):.2f}; step p99 / p50 {percentile(times, 99) / statistics.median(times):.2f}")
 
 
 def cpu_profiler(on: bool) -> torch.profiler.profile | None:
