@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from moe_serve.kernels import cpu_bf16w, cpu_build, cpu_decode_layer, cpu_mla, cpu_moe, cpu_ops
+from moe_serve.kernels import cpu_attention, cpu_bf16w, cpu_build, cpu_decode_layer, cpu_mla, cpu_moe, cpu_ops
 from moe_serve.kernels.backend_torch import TorchBackend
 from moe_serve.kernels.layer_spec import DecoderLayerSpec
 from moe_serve.kernels.ops import MLPWeights
@@ -151,6 +151,11 @@ class CpuBackend(TorchBackend):
         if q_BNK.shape[0]:
             cpu_mla.mla_decode_into(q_BNK, kv_cache, tables_BM, lens_B, latent_dim, scale, None, max_len, out_BNC)
         return out_BNC
+
+    def prefill_attention(self, q_NQK, k_NLK, v_NLV, scale: float, stored_dtype: torch.dtype) -> torch.Tensor:
+        if cpu_attention.fits(q_NQK, k_NLK, v_NLV, stored_dtype):
+            return cpu_attention.prefill_attention_bf16(q_NQK, k_NLK, v_NLV, scale)
+        return super().prefill_attention(q_NQK, k_NLK, v_NLV, scale, stored_dtype)
 
     def route(self, x_TH, gate_EH, bias_E, rc: RouterConfig):
         if (rc.topk_method == "noaux_tc" and rc.scoring_func == "sigmoid"

@@ -18,6 +18,11 @@ from moe_serve.kernels.reference import DEFAULT_BLOCK_SHAPE, dequant_fp8_block
 from moe_serve.kernels.routing import RouterConfig, route_reference
 
 
+def future_mask(Q: int, L: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """mask_QL: True where key l is in query i's future (query i sits at position L - Q + i)."""
+    return torch.arange(L, device=device)[None, :] > (torch.arange(Q, device=device) + (L - Q))[:, None]
+
+
 class TorchBackend:
     name = "torch"
 
@@ -85,6 +90,15 @@ class TorchBackend:
         # The values are the latent part of each cached row. Multiplying by whole rows and dropping the rope
         # columns after is faster than a bmm on the strided latent slice (which copies it first).
         return torch.bmm(probs_BNL, kv_BLK)[..., :latent_dim]
+
+    def prefill_attention(self, q_NQK: torch.Tensor, k_NLK: torch.Tensor, v_NLV: torch.Tensor, scale: float,
+                          stored_dtype: torch.dtype) -> torch.Tensor:
+        """Matmul, float32 softmax, matmul: at these sizes (8 heads, chunks of up to a few hundred tokens) ~2x
+        faster on CPU than torch's scaled_dot_product_attention with or without a mask, and no slower at 1024."""
+        Q, L = q_NQK.shape[1], k_NLK.shape[1]
+        scores_NQL = torch.matmul(q_NQK, k_NLK.transpose(1, 2)).float() * scale
+        scores_NQL.masked_fill_(future_mask(Q, L, q_NQK.device)[None], float("-inf"))
+        return torch.matmul(scores_NQL.softmax(dim=-1).to(q_NQK.dtype), v_NLV)
 
     def route(self, x_TH, gate_EH, bias_E, rc: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
         return route_reference(x_TH, gate_EH, bias_E, rc)

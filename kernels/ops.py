@@ -19,6 +19,9 @@ weight's per-block scales, None for other weights):
   mla_cache_write(kv_TD, norm_w_C, eps, cos_TR2, sin_TR2, interleaved, kv_cache, slots_T)
   bmm_wt(x_BMK, w_BOK, scale_inv) -> y_BMO         y[b] = x[b] w[b]^T (MLA's absorbed per-head weights)
   mla_decode(q_BNK, kv_cache, meta, latent_dim, scale) -> out_BNC
+  prefill_attention(q_NQK, k_NLK, v_NLV, scale, stored_dtype) -> out_NQV   a prompt chunk's causal attention
+                                                   (query i at position L - Q + i); k and v computed from a
+                                                   cache held in stored_dtype
   route(x_TH, gate_EH, bias_E, router_config) -> (topk_weights_TK float32, topk_ids_TK int64)
   fused_moe(x_TH, experts, topk_weights_TK, topk_ids_TK, shared) -> y_TH   routed (+ shared) experts
   prepare(model)                                   once after loading: the weights as the backend wants them
@@ -109,6 +112,10 @@ def bmm_wt(x_BMK, w_BOK, scale_inv=None):
 
 def mla_decode(q_BNK, kv_cache, meta, latent_dim: int, scale: float):
     return backend().mla_decode(q_BNK, kv_cache, meta, latent_dim, scale)
+
+
+def prefill_attention(q_NQK, k_NLK, v_NLV, scale: float, stored_dtype: torch.dtype):
+    return backend().prefill_attention(q_NQK, k_NLK, v_NLV, scale, stored_dtype)
 
 
 def route(x_TH, gate_EH, bias_E, router_config):

@@ -118,19 +118,12 @@ class MLAttention(nn.Module):
         """A prompt chunk attends in the non-absorbed form: its context's latents are decompressed with
         kv_b_proj into per-head keys (nope dims + the shared rope key) and values, and attention runs over
         Dn + R = 192 key dims and Dv = 128 value dims per head instead of 576 and 512 in latent space."""
-        Q, L, N = seq.num_query, seq.context_len, self.num_heads
+        L, N = seq.context_len, self.num_heads
         kv_LK = kv_cache_NBD.index_select(0, seq.block_table).view(-1, kv_cache_NBD.shape[-1])[:L].to(q_nope_QND.dtype)
         latent_LC, k_pe_LR = kv_LK.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_LNX = self.kv_b_proj(latent_LC).view(L, N, self.nope_dim + self.v_dim)
         k_nope_LND, v_LNV = kv_LNX.split([self.nope_dim, self.v_dim], dim=-1)
         k_NLK = torch.cat((k_nope_LND, k_pe_LR[:, None, :].expand(L, N, self.rope_dim)), dim=-1).transpose(0, 1)
         q_NQK = torch.cat((q_nope_QND, q_pe_QNR), dim=-1).transpose(0, 1)
-        # matmul, float32 softmax, matmul: at these sizes (8 heads, chunks of <= a few hundred tokens, one
-        # thread) ~2x faster on CPU than torch's scaled_dot_product_attention with or without a mask.
-        scores_NQL = torch.matmul(q_NQK, k_NLK.transpose(1, 2)).float() * self.scale
-        # query i sits at position L - Q + i and sees keys 0..L - Q + i
-        dev = q_NQK.device
-        future_QL = torch.arange(L, device=dev)[None, :] > (torch.arange(Q, device=dev) + (L - Q))[:, None]
-        scores_NQL.masked_fill_(future_QL[None], float("-inf"))
-        out_NQV = torch.matmul(scores_NQL.softmax(dim=-1).to(q_NQK.dtype), v_LNV.transpose(0, 1))
+        out_NQV = ops.prefill_attention(q_NQK, k_NLK, v_LNV.transpose(0, 1), self.scale, kv_cache_NBD.dtype)
         return out_NQV.transpose(0, 1)

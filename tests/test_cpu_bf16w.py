@@ -133,6 +133,34 @@ def test_tiles_in_the_per_head_products(float32_products):
         cpu_build.tile_rows(0)
 
 
+@needs_tiles
+def test_prompt_attention_on_the_bf16_products(float32_products):
+    """A prompt chunk of 64+ queries over a bf16 cache attends on the bf16 products (kernels/cpu_attention.py):
+    it equals the reference with bf16 operands, not the float32 attention; fewer queries, or a float32 cache,
+    attend in float32. The context (100 keys) is padded to 128 and the padding masked."""
+    from moe_serve.kernels import cpu_attention
+    from moe_serve.kernels.backend_cpu import CpuBackend
+    from moe_serve.kernels.backend_torch import TorchBackend
+
+    torch.manual_seed(0)
+    backend, exact = CpuBackend(), TorchBackend()
+    q = torch.randn(64, 4, 192).transpose(0, 1)  # [N, Q, K], rows strided by heads as the model passes it
+    k, v = torch.randn(4, 100, 192), torch.randn(4, 100, 128)
+    float32 = exact.prefill_attention(q, k, v, 0.1, torch.float32)
+    torch.testing.assert_close(backend.prefill_attention(q, k, v, 0.1, torch.bfloat16), float32, rtol=1e-5, atol=1e-5)
+    cpu_build.tile_rows(cpu_build.TILE_ROWS)
+    out = backend.prefill_attention(q, k, v, 0.1, torch.bfloat16)
+    torch.testing.assert_close(out, cpu_attention.reference(q, k, v, 0.1), rtol=1e-2, atol=2e-3)
+    assert (out - float32).abs().max() > 1e-3  # really bf16 operands
+    torch.testing.assert_close(backend.prefill_attention(q, k, v, 0.1, torch.float32), float32, rtol=1e-5, atol=1e-5)
+    few = q[:, :cpu_attention.MIN_QUERIES - 1]
+    torch.testing.assert_close(backend.prefill_attention(few, k, v, 0.1, torch.bfloat16),
+                               exact.prefill_attention(few, k, v, 0.1, torch.float32), rtol=1e-5, atol=1e-5)
+    q, k, v = q[..., :48], k[..., :48], v[..., :40]  # the demo model's 48 key dims; value dims padded too
+    torch.testing.assert_close(backend.prefill_attention(q, k, v, 0.1, torch.bfloat16),
+                               cpu_attention.reference(q, k, v, 0.1), rtol=1e-2, atol=2e-3)
+
+
 def test_mm_into_a_strided_output():
     torch.manual_seed(0)
     x, w = torch.randn(6, 40), torch.randn(24, 40).bfloat16()
