@@ -199,8 +199,9 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048) -> float:
 def prompt_flops(cfg, num_tokens: int) -> float:
     """FLOPs (2 per multiply-add) of computing one `num_tokens` prompt from scratch, from the model's shapes:
     every linear once per token (a MoE layer: the gate, top-k routed experts and the shared ones), kv_b_proj
-    over the context (the decompressed form prompts attend in), and attention over the whole L x L score
-    matrix (the kernel computes it all, then masks the future). The lm head for the last token only."""
+    over the context (the decompressed form prompts attend in), and attention over the causal half of the
+    L x L score matrix (the useful work: key l <= query i; the float32 path computes it all and masks the
+    future, the bf16 path skips most of it). The lm head for the last token only."""
     H, N, C, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     Dn, Dv, T = cfg.qk_nope_head_dim, cfg.v_head_dim, num_tokens
     qk = Dn + R
@@ -213,7 +214,7 @@ def prompt_flops(cfg, num_tokens: int) -> float:
             mlp = 3 * H * cfg.moe_intermediate_size * experts + H * cfg.n_routed_experts
         else:
             mlp = 3 * H * cfg.intermediate_size
-        total += 2 * T * (per_token_attn + mlp) + 2 * T * C * N * (Dn + Dv) + 2 * N * T * T * (qk + Dv)
+        total += 2 * T * (per_token_attn + mlp) + 2 * T * C * N * (Dn + Dv) + N * T * (T + 1) * (qk + Dv)
     return total + 2 * H * cfg.vocab_size
 
 

@@ -159,6 +159,10 @@ def test_prompt_attention_on_the_bf16_products(float32_products):
     q, k, v = q[..., :48], k[..., :48], v[..., :40]  # the demo model's 48 key dims; value dims padded too
     torch.testing.assert_close(backend.prefill_attention(q, k, v, 0.1, torch.bfloat16),
                                cpu_attention.reference(q, k, v, 0.1), rtol=1e-2, atol=2e-3)
+    # a chunk longer than QUERY_BLOCK, after 40 cached tokens: blocks of queries, each over its visible keys
+    q, k, v = torch.randn(4, 300, 192), torch.randn(4, 340, 192), torch.randn(4, 340, 128)
+    torch.testing.assert_close(backend.prefill_attention(q, k, v, 0.1, torch.bfloat16),
+                               cpu_attention.reference(q, k, v, 0.1), rtol=1e-2, atol=2e-3)
 
 
 def test_mm_into_a_strided_output():
