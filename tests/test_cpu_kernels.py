@@ -36,6 +36,7 @@ def _paged_cache(lens, bs, D, seed):
     ([7, 16, 17, 200], 16, 8, 512, 64),  # partial, exact and multi-block contexts
     ([33, 5], 4, 3, 20, 6),          # odd head count, C not a multiple of 8 (vector tails)
     ([130], 128, 16, 64, 16),        # 16 heads: two row blocks of the score product
+    ([9, 40], 16, 6, 56, 8),         # 6 heads: a full and a partial group of heads in the weighted sum
 ])
 def test_mla_decode_equals_reference(lens, bs, N, C, R):
     cache, tables, lens_B = _paged_cache(lens, bs, C + R, seed=len(lens) * 7 + N)

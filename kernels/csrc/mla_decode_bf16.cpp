@@ -39,95 +39,77 @@ static void softmax_inplace(float *s, int64_t L) {
     for (int64_t i = 0; i < L; i++) s[i] *= inv;
 }
 
+/* One vector of float32 lanes, and how many heads' sums fit in the registers: 16 lanes and 8 heads in the
+ * AVX-512 build (32 registers), 8 lanes and 4 heads with AVX2 (16 registers). */
 #ifdef __AVX512F__
-/* o[n0 + n, c0 .. c0 + 16 NC) += sum over the rows r of p[n0 + n, r] * row_r[c0 ..), n < NH: the NH x NC
- * sums stay in registers over all the rows, so each o vector is loaded and stored once per cache block and a
- * row's chunk is widened once for NH heads */
+#define WLANES 16
+#define WHEADS 8
+typedef __m512 wvec;
+#define WLOAD _mm512_loadu_ps
+#define WSTORE _mm512_storeu_ps
+#define WLOADW load_bf16x16
+#define WSET1 _mm512_set1_ps
+#define WFMA _mm512_fmadd_ps
+#else
+#define WLANES 8
+#define WHEADS 4
+typedef __m256 wvec;
+#define WLOAD _mm256_loadu_ps
+#define WSTORE _mm256_storeu_ps
+#define WLOADW load_bf16x8
+#define WSET1 _mm256_set1_ps
+#define WFMA _mm256_fmadd_ps
+#endif
+
+/* o[n, c0 .. c0 + WLANES NC) += sum over the rows r of p[n, r] * row_r[c0 ..), n < NH: the NH x NC sums stay in
+ * registers over all the rows, so each o vector is loaded and stored once per cache block and a row's chunk
+ * is widened once for NH heads */
 template <int NH, int NC>
 static void weighted_chunk(const float *p, int64_t ldp, const uint16_t *kv, int64_t D, int64_t rows, float *o,
                            int64_t ldo, int64_t c0) {
-    __m512 acc[NH][NC];
+    wvec acc[NH][NC];
     for (int n = 0; n < NH; n++)
-        for (int i = 0; i < NC; i++) acc[n][i] = _mm512_loadu_ps(o + n * ldo + c0 + 16 * i);
+        for (int i = 0; i < NC; i++) acc[n][i] = WLOAD(o + n * ldo + c0 + WLANES * i);
     for (int64_t r = 0; r < rows; r++) {
-        __m512 w[NC];
-        for (int i = 0; i < NC; i++) w[i] = load_bf16x16(kv + r * D + c0 + 16 * i);
+        wvec w[NC];
+        for (int i = 0; i < NC; i++) w[i] = WLOADW(kv + r * D + c0 + WLANES * i);
         for (int n = 0; n < NH; n++) {
-            __m512 pn = _mm512_set1_ps(p[n * ldp + r]);
-            for (int i = 0; i < NC; i++) acc[n][i] = _mm512_fmadd_ps(pn, w[i], acc[n][i]);
+            wvec pn = WSET1(p[n * ldp + r]);
+            for (int i = 0; i < NC; i++) acc[n][i] = WFMA(pn, w[i], acc[n][i]);
         }
     }
     for (int n = 0; n < NH; n++)
-        for (int i = 0; i < NC; i++) _mm512_storeu_ps(o + n * ldo + c0 + 16 * i, acc[n][i]);
+        for (int i = 0; i < NC; i++) WSTORE(o + n * ldo + c0 + WLANES * i, acc[n][i]);
 }
 
 template <int NH>
 static void weighted_heads(const float *p, int64_t ldp, const uint16_t *kv, int64_t D, int64_t rows, float *o,
                            int64_t ldo, int64_t C) {
     int64_t c = 0;
-    for (; c + 48 <= C; c += 48) weighted_chunk<NH, 3>(p, ldp, kv, D, rows, o, ldo, c);
-    for (; c + 16 <= C; c += 16) weighted_chunk<NH, 1>(p, ldp, kv, D, rows, o, ldo, c);
+    for (; c + 3 * WLANES <= C; c += 3 * WLANES) weighted_chunk<NH, 3>(p, ldp, kv, D, rows, o, ldo, c);
+    for (; c + WLANES <= C; c += WLANES) weighted_chunk<NH, 1>(p, ldp, kv, D, rows, o, ldo, c);
     for (; c < C; c++)
         for (int64_t n = 0; n < NH; n++)
             for (int64_t r = 0; r < rows; r++) o[n * ldo + c] += p[n * ldp + r] * bf16_to_f32(kv[r * D + c]);
 }
 
 typedef void (*heads_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t);
-static const heads_fn HEADS[9] = {0, weighted_heads<1>, weighted_heads<2>, weighted_heads<3>, weighted_heads<4>,
-                                  weighted_heads<5>, weighted_heads<6>, weighted_heads<7>, weighted_heads<8>};
+#ifdef __AVX512F__
+static const heads_fn HEADS[WHEADS + 1] = {0, weighted_heads<1>, weighted_heads<2>, weighted_heads<3>,
+                                           weighted_heads<4>, weighted_heads<5>, weighted_heads<6>,
+                                           weighted_heads<7>, weighted_heads<8>};
+#else
+static const heads_fn HEADS[WHEADS + 1] = {0, weighted_heads<1>, weighted_heads<2>, weighted_heads<3>,
+                                           weighted_heads<4>};
+#endif
 
 /* o[n, 0..C) += sum over the rows r of p[n, r] * row_r[0..C), for `rows` consecutive cached rows (stride D)
- * and N heads; p has row stride ldp, o row stride ldo. Eight heads at a time. */
+ * and N heads; p has row stride ldp, o row stride ldo. WHEADS heads at a time. */
 static void weighted_rows(const float *p, int64_t ldp, const uint16_t *kv, int64_t D, int64_t rows,
                           float *o, int64_t ldo, int64_t N, int64_t C) {
-    for (int64_t n0 = 0; n0 < N; n0 += 8)
-        HEADS[N - n0 < 8 ? N - n0 : 8](p + n0 * ldp, ldp, kv, D, rows, o + n0 * ldo, ldo, C);
+    for (int64_t n0 = 0; n0 < N; n0 += WHEADS)
+        HEADS[N - n0 < WHEADS ? N - n0 : WHEADS](p + n0 * ldp, ldp, kv, D, rows, o + n0 * ldo, ldo, C);
 }
-#else
-/* o[n, 0..C) += sum over the rows r of p[n, r] * row_r[0..C), for `rows` consecutive cached rows (stride D)
- * and N heads; p has row stride ldp, o row stride ldo. Four rows at a time: each o chunk is loaded and
- * stored once per four rows. */
-static void weighted_rows(const float *p, int64_t ldp, const uint16_t *kv, int64_t D, int64_t rows,
-                          float *o, int64_t ldo, int64_t N, int64_t C) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        const uint16_t *k0 = kv + r * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
-        int64_t c = 0;
-        for (; c + 8 <= C; c += 8) {
-            __m256 w0 = load_bf16x8(k0 + c), w1 = load_bf16x8(k1 + c), w2 = load_bf16x8(k2 + c),
-                   w3 = load_bf16x8(k3 + c);
-            for (int64_t n = 0; n < N; n++) {
-                const float *pn = p + n * ldp + r;
-                __m256 acc = _mm256_loadu_ps(o + n * ldo + c);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(pn[0]), w0, acc);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(pn[1]), w1, acc);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(pn[2]), w2, acc);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(pn[3]), w3, acc);
-                _mm256_storeu_ps(o + n * ldo + c, acc);
-            }
-        }
-        for (; c < C; c++)
-            for (int64_t n = 0; n < N; n++) {
-                const float *pn = p + n * ldp + r;
-                o[n * ldo + c] += pn[0] * bf16_to_f32(k0[c]) + pn[1] * bf16_to_f32(k1[c]) +
-                                  pn[2] * bf16_to_f32(k2[c]) + pn[3] * bf16_to_f32(k3[c]);
-            }
-    }
-    for (; r < rows; r++) {
-        const uint16_t *k0 = kv + r * D;
-        int64_t c = 0;
-        for (; c + 8 <= C; c += 8) {
-            __m256 w0 = load_bf16x8(k0 + c);
-            for (int64_t n = 0; n < N; n++) {
-                __m256 acc = _mm256_loadu_ps(o + n * ldo + c);
-                _mm256_storeu_ps(o + n * ldo + c, _mm256_fmadd_ps(_mm256_set1_ps(p[n * ldp + r]), w0, acc));
-            }
-        }
-        for (; c < C; c++)
-            for (int64_t n = 0; n < N; n++) o[n * ldo + c] += p[n * ldp + r] * bf16_to_f32(k0[c]);
-    }
-}
-#endif
 
 int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
                      const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
