@@ -11,11 +11,11 @@
  * pairs at one k lie in one vector; the weight stays as loaded ([O, K]): its pair (w[o, 2kp], w[o, 2kp + 1])
  * is one 32-bit value, broadcast to all lanes. A step of the inner loop multiplies 8 weight rows by up to 48
  * x rows (24 accumulators of 16 lanes: lane j holds y[m0 + 16i + j, o0 + o]), or 16 weight rows by the last 16
- * (decode batches of 16: twice the sums in flight). The weight's rows are prefetched a group ahead. Each thread takes 32 weight
- * rows at a time against all of x, 48 x rows at a time, their 48 x 32 outputs gathered in a buffer and
- * copied into y a row at a time (stored straight into y, the scattered columns cost up to half the time
- * where y rows are long). Shapes that this does not cover (O not a multiple of 16, K not one of 32,
- * FP8 weights) return 0 and the float32 kernel runs.
+ * (decode batches of 16: twice the sums in flight); the next group of weight rows is prefetched meanwhile.
+ * Each thread takes 32 weight rows at a time against all of x, 48 x rows at a time, their 48 x 32 outputs
+ * gathered in a buffer and copied into y a row at a time (stored straight into y, the scattered columns cost
+ * up to half the time where y rows are long). Shapes that this does not cover (O not a multiple of 16, K not
+ * one of 32, FP8 weights) return 0 and the float32 kernel runs.
  */
 #include <string.h>
 
