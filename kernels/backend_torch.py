@@ -93,8 +93,8 @@ class TorchBackend:
 
     def prefill_attention(self, q_NQK: torch.Tensor, k_NLK: torch.Tensor, v_NLV: torch.Tensor, scale: float,
                           stored_dtype: torch.dtype) -> torch.Tensor:
-        """Matmul, float32 softmax, matmul: at these sizes (8 heads, chunks of up to a few hundred tokens) ~2x
-        faster on CPU than torch's scaled_dot_product_attention with or without a mask, and no slower at 1024."""
+        """Matmul, float32 softmax, matmul: on CPU, for 8 heads and chunks of up to a few hundred tokens, ~2x
+        faster than torch's scaled_dot_product_attention with or without a mask (about as fast at 1024)."""
         Q, L = q_NQK.shape[1], k_NLK.shape[1]
         scores_NQL = torch.matmul(q_NQK, k_NLK.transpose(1, 2)).float() * scale
         scores_NQL.masked_fill_(future_mask(Q, L, q_NQK.device)[None], float("-inf"))
