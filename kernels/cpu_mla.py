@@ -28,9 +28,20 @@ def fits(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor) -> bool:
             and q_BND.stride(2) == 1 and kv_cache_NbD.is_contiguous() and available())
 
 
+def bf16_products(kv_cache_NbD: torch.Tensor, latent_dim: int) -> bool:
+    """Whether the kernel runs both products in bf16 (reference(bf16_products=True)): where the bf16 products
+    of linears are on (the AVX512-BF16 or AMX build, cpu_build.tile_rows() > 0), with D and the latent
+    dims multiples of 32 and an even block size; else in float32."""
+    _, bs, D = kv_cache_NbD.shape
+    return cpu_build.tile_rows() > 0 and D % 32 == 0 and latent_dim % 32 == 0 and bs % 2 == 0
+
+
 def reference(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM: torch.Tensor,
-              context_lens_B: torch.Tensor, latent_dim: int, scale: float) -> torch.Tensor:
-    """out[b, n] = softmax(scale * q[b, n] . kv[l]) over the context of b, times kv[l, :latent_dim]."""
+              context_lens_B: torch.Tensor, latent_dim: int, scale: float, bf16_products: bool = False
+              ) -> torch.Tensor:
+    """out[b, n] = softmax(scale * q[b, n] . kv[l]) over the context of b, times kv[l, :latent_dim].
+    bf16_products: q rounded to bf16 for the scores, the probabilities rounded to bf16 for the values (sums in
+    float32), as the kernel runs where `bf16_products` says so."""
     B, N, D = q_BND.shape
     bs = kv_cache_NbD.shape[1]
     out_BNC = q_BND.new_zeros(B, N, latent_dim)
@@ -40,7 +51,10 @@ def reference(q_BND: torch.Tensor, kv_cache_NbD: torch.Tensor, block_tables_BM: 
             continue
         blocks = block_tables_BM[b, : (L + bs - 1) // bs]
         kv_LD = kv_cache_NbD[blocks].reshape(-1, D)[:L].float()
-        probs_NL = (q_BND[b] @ kv_LD.t() * scale).softmax(dim=-1)
+        q_ND = q_BND[b].bfloat16().float() if bf16_products else q_BND[b]
+        probs_NL = (q_ND @ kv_LD.t() * scale).softmax(dim=-1)
+        if bf16_products:
+            probs_NL = probs_NL.bfloat16().float()
         out_BNC[b] = probs_NL @ kv_LD[:, :latent_dim]
     return out_BNC
 

@@ -38,12 +38,43 @@ def _paged_cache(lens, bs, D, seed):
     ([130], 128, 16, 64, 16),        # 16 heads: two row blocks of the score product
     ([9, 40], 16, 6, 56, 8),         # 6 heads: a full and a partial group of heads in the weighted sum
 ])
-def test_mla_decode_equals_reference(lens, bs, N, C, R):
+def test_mla_decode_equals_reference(lens, bs, N, C, R, float32_products):
     cache, tables, lens_B = _paged_cache(lens, bs, C + R, seed=len(lens) * 7 + N)
     q = torch.randn(len(lens), N, C + R) * 0.3
     scale = (C + R) ** -0.5
     out = cpu_mla.mla_decode(q, cache, tables, lens_B, C, scale)
     torch.testing.assert_close(out, cpu_mla.reference(q, cache, tables, lens_B, C, scale), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_build.tile_rows(), reason="no bf16 products here (the AVX512-BF16 or AMX build)")
+@pytest.mark.parametrize("lens,bs,N,C,R", [
+    ([1], 16, 8, 512, 64),               # one token of context: a row pair with one row
+    ([7, 16, 17, 200], 16, 8, 512, 64),  # odd, exact and multi-block contexts
+    ([33, 5], 4, 3, 64, 32),             # 3 heads: one partial group of 8
+    ([31, 2, 64], 16, 12, 32, 32),       # 12 heads: a full group and a partial one
+])
+def test_mla_decode_on_the_bf16_products(lens, bs, N, C, R, float32_products):
+    """With the bf16 products on, decode attention equals the reference with bf16 operands (q for the scores,
+    the probabilities for the values): far closer to it than to the float32 attention. Rows scattered in a
+    step's token array are read and written in place."""
+    cache, tables, lens_B = _paged_cache(lens, bs, C + R, seed=len(lens) * 5 + N)
+    q = torch.randn(len(lens), N, C + R) * 0.3
+    scale = (C + R) ** -0.5
+    exact = cpu_mla.reference(q, cache, tables, lens_B, C, scale)
+    torch.testing.assert_close(cpu_mla.mla_decode(q, cache, tables, lens_B, C, scale), exact, rtol=1e-4, atol=1e-5)
+    cpu_build.tile_rows(cpu_build.TILE_ROWS)
+    assert cpu_mla.bf16_products(cache, C)
+    out = cpu_mla.mla_decode(q, cache, tables, lens_B, C, scale)
+    want = cpu_mla.reference(q, cache, tables, lens_B, C, scale, bf16_products=True)
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+    assert (out - want).abs().mean() <= 0.2 * (out - exact).abs().mean()  # equal with one cached row
+    rows_B = torch.arange(len(lens)).flip(0) * 2  # sequence b in token row 2 (B - 1 - b)
+    q_TND = torch.full((2 * len(lens), N, C + R), 5.0)
+    q_TND[rows_B] = q
+    out_TNC = torch.full((2 * len(lens), N, C), 7.0)
+    cpu_mla.mla_decode_into(q_TND, cache, tables, lens_B, C, scale, rows_B, max(lens), out_TNC)
+    torch.testing.assert_close(out_TNC[rows_B], out, rtol=0, atol=0)
+    assert (out_TNC[1::2] == 7).all()
 
 
 @needs_kernels

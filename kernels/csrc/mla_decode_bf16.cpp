@@ -13,6 +13,12 @@
  * ldo_b, ldo_n). With `qrows` (may be NULL), sequence b reads q row qrows[b] and writes out row qrows[b]
  * instead of row b: the decode rows of a step's token array, in place. Sequences are split over the
  * threads. Returns 0, or -1 when scratch memory could not be had.
+ *
+ * Where the bf16 products are on (the AVX512-BF16 or AMX build, set_tile_rows > 0) and D and C are multiples
+ * of 32 (bs even), both products run on AVX512-BF16 dot products instead, as attention runs on a GPU: the
+ * query rounded to bf16 (to nearest even) for the scores, the softmax in float32, the probabilities rounded to
+ * bf16 for the values, sums in float32 (kernels/cpu_mla.py `reference(bf16_products=True)`). Twice the
+ * multiply-adds an instruction, and no widening of the cached rows.
  */
 #include "bf16w.h"
 
@@ -111,9 +117,161 @@ static void weighted_rows(const float *p, int64_t ldp, const uint16_t *kv, int64
         HEADS[N - n0 < WHEADS ? N - n0 : WHEADS](p + n0 * ldp, ldp, kv, D, rows, o + n0 * ldo, ldo, C);
 }
 
+#ifdef __AVX512BF16__
+/* lane i = the sum of v[i]'s 16 lanes: pairs of vectors folded by 256, 128, 64 and 32 bits, then the 4 x 4
+ * order of the result transposed */
+static inline __m512 sum16x16(const __m512 *v) {
+    __m512 w[8], u[4], s[2];
+    for (int i = 0; i < 8; i++)  /* quarters 0-1: v[2i]'s, 2-3: v[2i+1]'s */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++)  /* quarter k: v[4i + k]'s */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)  /* quarter k, lanes 0-1: v[8i + k]'s, lanes 2-3: v[8i + 4 + k]'s */
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xdd));
+    /* lane 4k + j of r is v[4j + k]'s sum */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+#define DP_HEADS 8  /* heads a pass over the context serves: 16 score sums, or 16 x 16 value columns, in registers */
+
+/* One sequence on the bf16 products, heads n0 .. n0 + nh (nh <= DP_HEADS). qh [DP_HEADS, D] bf16 (rows past nh
+ * zero), s [Lp, DP_HEADS] and pp [Lp / 2, DP_HEADS] scratch (Lp = L rounded up to even), acc [DP_HEADS, C]. */
+static void heads_dpbf16(const uint16_t *qh, const uint16_t *cache, int64_t bs, int64_t D, const int64_t *table,
+                         int64_t L, float *s, uint32_t *pp, float *acc, int64_t C, float scale, float *ob,
+                         int64_t ldo_n, int64_t nh) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t l = 0; l < L; l += 2) {  /* scores: two cached rows against the heads, 16 sums at a time */
+        const uint16_t *k0 = cache + (table[l / bs] * bs + l % bs) * D;
+        const uint16_t *k1 = l + 1 < L ? k0 + D : k0;  /* past the end: row l again, its sums unused */
+        if (l + 2 * bs < L) {  /* the same rows two blocks on: blocks lie anywhere in the cache, where the
+                                  hardware prefetcher does not follow, and a step reads the cache from memory */
+            const char *n0 = (const char *)(cache + (table[l / bs + 2] * bs + l % bs) * D);
+            for (int64_t i = 0; i < 2 * D * 2; i += 64) _mm_prefetch(n0 + i, _MM_HINT_T0);
+        }
+        __m512 sum[2 * DP_HEADS];
+        for (int i = 0; i < 2 * DP_HEADS; i++) sum[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 32) {
+            __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + d), b = (__m512bh)_mm512_loadu_si512(k1 + d);
+            for (int n = 0; n < DP_HEADS; n++) {
+                __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + n * D + d);
+                sum[n] = _mm512_dpbf16_ps(sum[n], a, qv);
+                sum[DP_HEADS + n] = _mm512_dpbf16_ps(sum[DP_HEADS + n], b, qv);
+            }
+        }
+        _mm512_storeu_ps(s + l * DP_HEADS, _mm512_mul_ps(sum16x16(sum), vscale));  /* rows l, l + 1 */
+    }
+    /* softmax over the context, the heads in the lanes */
+    __m256 mx = _mm256_loadu_ps(s);
+    for (int64_t l = 1; l < L; l++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + l * DP_HEADS));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t l = 0; l < L; l++) {
+        __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + l * DP_HEADS), mx));
+        _mm256_storeu_ps(s + l * DP_HEADS, e);
+        total = _mm256_add_ps(total, e);
+    }
+    __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), total);
+    for (int64_t l = 0; l < L; l += 2) {  /* (p[l], p[l + 1]) as bf16 pairs, per head */
+        __m128i p0 = (__m128i)_mm256_cvtneps_pbh(_mm256_mul_ps(_mm256_loadu_ps(s + l * DP_HEADS), inv));
+        __m128i p1 = l + 1 < L ? (__m128i)_mm256_cvtneps_pbh(_mm256_mul_ps(_mm256_loadu_ps(s + (l + 1) * DP_HEADS), inv))
+                               : _mm_setzero_si128();
+        _mm_storeu_si128((__m128i *)(pp + (l / 2) * DP_HEADS), _mm_unpacklo_epi16(p0, p1));
+        _mm_storeu_si128((__m128i *)(pp + (l / 2) * DP_HEADS + 4), _mm_unpackhi_epi16(p0, p1));
+    }
+    /* values: 32 latent columns at a time, rows in pairs (row l's and row l + 1's column c side by side, as
+     * unpacklo / unpackhi leave them: lane 4q + j of lo holds column 8q + j, of hi 8q + 4 + j) */
+    for (int64_t i = 0; i < DP_HEADS * C; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t l0 = 0; l0 < L; l0 += bs) {
+        int64_t rows = L - l0 < bs ? L - l0 : bs;
+        const uint16_t *blk = cache + table[l0 / bs] * bs * D;
+        const uint32_t *pb = pp + (l0 / 2) * DP_HEADS;
+        for (int64_t c0 = 0; c0 < C; c0 += 32) {
+            __m512 lo[DP_HEADS], hi[DP_HEADS];
+            for (int n = 0; n < DP_HEADS; n++) {
+                lo[n] = _mm512_loadu_ps(acc + n * C + c0);
+                hi[n] = _mm512_loadu_ps(acc + n * C + c0 + 16);
+            }
+            for (int64_t r = 0; r < rows; r += 2) {
+                __m512i a = _mm512_loadu_si512(blk + r * D + c0);
+                __m512i b = r + 1 < rows ? _mm512_loadu_si512(blk + (r + 1) * D + c0) : zero;
+                __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                for (int n = 0; n < DP_HEADS; n++) {
+                    __m512bh pn = (__m512bh)_mm512_set1_epi32((int)pb[(r / 2) * DP_HEADS + n]);
+                    lo[n] = _mm512_dpbf16_ps(lo[n], vlo, pn);
+                    hi[n] = _mm512_dpbf16_ps(hi[n], vhi, pn);
+                }
+            }
+            for (int n = 0; n < DP_HEADS; n++) {
+                _mm512_storeu_ps(acc + n * C + c0, lo[n]);
+                _mm512_storeu_ps(acc + n * C + c0 + 16, hi[n]);
+            }
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t n = 0; n < nh; n++)
+        for (int64_t c0 = 0; c0 < C; c0 += 32) {
+            __m512 lo = _mm512_loadu_ps(acc + n * C + c0), hi = _mm512_loadu_ps(acc + n * C + c0 + 16);
+            _mm512_storeu_ps(ob + n * ldo_n + c0, _mm512_permutex2var_ps(lo, first, hi));
+            _mm512_storeu_ps(ob + n * ldo_n + c0 + 16, _mm512_permutex2var_ps(lo, second, hi));
+        }
+}
+
+/* The sequences on the bf16 products (the shapes checked by the caller). */
+static int64_t mla_decode_dpbf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs,
+                                 int64_t D, const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out,
+                                 int64_t ldo_b, int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale,
+                                 const int64_t *qrows) {
+    int64_t failed = 0;
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && B > 1)
+#endif
+    for (int64_t b = 0; b < B; b++) {
+        int64_t row = qrows ? qrows[b] : b;
+        const float *qb = q + row * ldq_b;
+        float *ob = out + row * ldo_b;
+        int64_t L = lens[b], Lp = L + (L & 1);
+        if (L <= 0) {
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
+            continue;
+        }
+        size_t bytes = (size_t)DP_HEADS * (size_t)D * 2 + (size_t)Lp * DP_HEADS * 4 + (size_t)(Lp / 2) * DP_HEADS * 4
+                       + (size_t)DP_HEADS * (size_t)C * 4;
+        uint16_t *qh = (uint16_t *)thread_scratch(bytes);
+        if (!qh) {
+            failed = 1;
+            continue;
+        }
+        float *s = (float *)(qh + DP_HEADS * D), *acc = s + Lp * DP_HEADS;
+        uint32_t *pp = (uint32_t *)(acc + DP_HEADS * C);
+        for (int64_t n0 = 0; n0 < N; n0 += DP_HEADS) {
+            int64_t nh = N - n0 < DP_HEADS ? N - n0 : DP_HEADS;
+            for (int64_t n = 0; n < DP_HEADS; n++)
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm256_storeu_si256((__m256i *)(qh + n * D + d),
+                                        n < nh ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qb + (n0 + n) * ldq_n + d))
+                                               : _mm256_setzero_si256());
+            heads_dpbf16(qh, cache, bs, D, tables + b * ld_t, L, s, pp, acc, C, scale, ob + n0 * ldo_n, ldo_n, nh);
+        }
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
 int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
                      const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
                      int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale, const int64_t *qrows) {
+#ifdef __AVX512BF16__
+    if (D % 32 == 0 && C % 32 == 0 && bs % 2 == 0 && set_tile_rows(-1) > 0)
+        return mla_decode_dpbf16(q, ldq_b, ldq_n, cache, bs, D, tables, ld_t, lens, out, ldo_b, ldo_n, B, N, C, scale,
+                                 qrows);
+#endif
     int64_t failed = 0;
     int nt = threads_for_region();
     (void)nt;
