@@ -208,13 +208,16 @@ def test_rope_equals_reference(interleaved):
 
 
 @needs_kernels
-@pytest.mark.parametrize("E,G,topk_group,K,bias", [(32, 4, 2, 4, True), (16, 1, 1, 3, False), (12, 6, 3, 1, True),
-                                                   (64, 8, 4, 8, True)])
-def test_router_equals_reference(E, G, topk_group, K, bias):
+@pytest.mark.parametrize("E,G,topk_group,K,bias,T,H", [
+    (32, 4, 2, 4, True, 20, 24), (16, 1, 1, 3, False, 20, 24), (12, 6, 3, 1, True, 20, 24),  # H 24: vector loop + tail
+    (64, 8, 4, 8, True, 20, 24),
+    (14, 7, 3, 2, True, 301, 200),  # partial blocks of tokens and experts; enough work for two threads
+])
+def test_router_equals_reference(E, G, topk_group, K, bias, T, H):
     torch.manual_seed(E + K)
     rc = RouterConfig(num_experts=E, top_k=K, topk_method="noaux_tc", scoring_func="sigmoid", num_groups=G,
                       topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=2.5)
-    x, gate = torch.randn(20, 24), torch.randn(E, 24) / 4  # H 24: the logits' vector loop and its tail
+    x, gate = torch.randn(T, H), torch.randn(E, H) / 4
     bias_E = torch.randn(E) * 0.1 if bias else None
     want_w, want_ids = route_reference(x, gate, bias_E, rc)
     assert cpu_ops.route_fits(x, gate, bias_E, G, topk_group, K)

@@ -56,6 +56,23 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+/* lane i = the sum of v[i]'s 16 lanes: pairs of vectors folded by 256, 128, 64 and 32 bits, then the 4 x 4
+ * order of the result transposed */
+static inline __m512 sum16x16(const __m512 *v) {
+    __m512 w[8], u[4], s[2];
+    for (int i = 0; i < 8; i++)  /* quarters 0-1: v[2i]'s, 2-3: v[2i+1]'s */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++)  /* quarter k: v[4i + k]'s */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)  /* quarter k, lanes 0-1: v[8i + k]'s, lanes 2-3: v[8i + 4 + k]'s */
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xdd));
+    /* lane 4k + j of r is v[4j + k]'s sum */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
 #endif
 
 static inline float hsum8(__m256 v) {

@@ -56,61 +56,128 @@ void rope_f32(const float *x, int64_t ldx_t, int64_t ldx_n, const float *cos_, c
     }
 }
 
+/* logits[t, e] = x[t] . gate[e]: RT tokens by 4 experts at a time, their sums in registers, so each vector of x
+ * and of the gate is loaded once a block (a dot product at a time loads two vectors a multiply-add). Past T
+ * and E the last token and expert are repeated, their sums not stored. */
+#ifdef __AVX512F__
+#define RT 4
+#else
+#define RT 2
+#endif
+#define ROUTE_PARALLEL_MIN (1 << 18)  /* multiply-adds: fewer take one thread */
+
+static void router_logits(const float *x, int64_t ldx, const float *gate, int64_t H, int64_t T, int64_t E,
+                          float *logits) {
+    int64_t blocks = (T + RT - 1) / RT;
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && blocks > 1 && T * E * H >= ROUTE_PARALLEL_MIN)
+#endif
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *xr[RT];
+        for (int i = 0; i < RT; i++) xr[i] = x + (b * RT + i < T ? b * RT + i : T - 1) * ldx;
+        for (int64_t e0 = 0; e0 < E; e0 += 4) {
+            const float *gr[4];
+            for (int j = 0; j < 4; j++) gr[j] = gate + (e0 + j < E ? e0 + j : E - 1) * H;
+            alignas(64) float sums[RT][4];
+            int64_t h = 0;
+#ifdef __AVX512F__
+            __m512 acc[RT * 4];
+            for (int i = 0; i < RT * 4; i++) acc[i] = _mm512_setzero_ps();
+            for (; h + 16 <= H; h += 16) {
+                __m512 g[4];
+                for (int j = 0; j < 4; j++) g[j] = _mm512_loadu_ps(gr[j] + h);
+                for (int i = 0; i < RT; i++) {
+                    __m512 xv = _mm512_loadu_ps(xr[i] + h);
+                    for (int j = 0; j < 4; j++) acc[4 * i + j] = _mm512_fmadd_ps(xv, g[j], acc[4 * i + j]);
+                }
+            }
+            _mm512_store_ps(&sums[0][0], sum16x16(acc));  /* lane 4i + j: token i, expert j */
+#else
+            __m256 acc[RT * 4];
+            for (int i = 0; i < RT * 4; i++) acc[i] = _mm256_setzero_ps();
+            for (; h + 8 <= H; h += 8) {
+                __m256 g[4];
+                for (int j = 0; j < 4; j++) g[j] = _mm256_loadu_ps(gr[j] + h);
+                for (int i = 0; i < RT; i++) {
+                    __m256 xv = _mm256_loadu_ps(xr[i] + h);
+                    for (int j = 0; j < 4; j++) acc[4 * i + j] = _mm256_fmadd_ps(xv, g[j], acc[4 * i + j]);
+                }
+            }
+            for (int i = 0; i < RT; i++)
+                for (int j = 0; j < 4; j++) sums[i][j] = hsum8(acc[4 * i + j]);
+#endif
+            for (; h < H; h++)
+                for (int i = 0; i < RT; i++)
+                    for (int j = 0; j < 4; j++) sums[i][j] += xr[i][h] * gr[j][h];
+            for (int i = 0; i < RT && b * RT + i < T; i++)
+                for (int j = 0; j < 4 && e0 + j < E; j++) logits[(b * RT + i) * E + e0 + j] = sums[i][j];
+        }
+    }
+}
+
+/* One token's choice from its logits [E] (turned into its scores in place); c [E], gs [G] scratch. */
+static void route_one(float *s, const float *bias, int64_t E, int64_t G, int64_t topk_group, int64_t K,
+                      int64_t norm, float scale, float *c, float *gs, int64_t *ids, float *wts) {
+    int64_t per = E / G;
+    for (int64_t e = 0; e < E; e++) {
+        s[e] = 1.0f / (1.0f + expf(-s[e]));
+        c[e] = bias ? s[e] + bias[e] : s[e];
+    }
+    for (int64_t g = 0; g < G; g++) {  /* group score: the sum of its two best choices */
+        float b1 = -INFINITY, b2 = -INFINITY;
+        for (int64_t e = g * per; e < (g + 1) * per; e++) {
+            if (c[e] > b1) { b2 = b1; b1 = c[e]; }
+            else if (c[e] > b2) b2 = c[e];
+        }
+        gs[g] = per > 1 ? b1 + b2 : b1;
+    }
+    for (int64_t j = 0; j < topk_group && j < G; j++) {  /* keep the best groups: mark them +inf */
+        int64_t best = -1;
+        for (int64_t g = 0; g < G; g++)
+            if (gs[g] != INFINITY && (best < 0 || gs[g] > gs[best])) best = g;
+        gs[best] = INFINITY;
+    }
+    float sum = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (gs[e / per] == INFINITY && c[e] != -INFINITY && (best < 0 || c[e] > c[best])) best = e;
+        ids[k] = best;
+        wts[k] = best >= 0 ? s[best] : 0.0f;
+        if (best >= 0) { sum += s[best]; c[best] = -INFINITY; }
+    }
+    for (int64_t k = 0; k < K; k++) {
+        float v = wts[k];
+        if (norm && K > 1) v = v / (sum + 1e-20f);
+        wts[k] = v * scale;
+    }
+}
+
 /* DeepSeek-V3 routing (topk_method noaux_tc, scoring_func sigmoid) of x [T, H] (row stride ldx) by the gate
  * weight [E, H] (contiguous), all float32: logits = x gate^T; scores s = sigmoid(logits); choice
  * c = s + bias (bias may be NULL); groups of E / G experts rank by the sum of their two best c; among the
  * topk_group best groups the K best c are chosen (in descending order); weights are their s, divided by
- * their sum (norm, K > 1), times scale. ids, wts: [T, K]. */
+ * their sum (norm, K > 1), times scale. ids, wts: [T, K]. Tokens are split over the threads. */
 void route_noaux_tc_f32(const float *x, int64_t ldx, const float *gate, int64_t H, const float *bias, int64_t T,
                         int64_t E, int64_t G, int64_t topk_group, int64_t K, int64_t norm, float scale, int64_t *ids,
                         float *wts) {
-    int64_t per = E / G;
-    float *s = (float *)thread_scratch((size_t)(2 * E + G) * sizeof(float));
+    if (T <= 0) return;
+    float *s = (float *)thread_scratch((size_t)(T * E) * sizeof(float));
     if (!s) {  /* no memory: mark every slot as routed nowhere */
         for (int64_t i = 0; i < T * K; i++) { ids[i] = -1; wts[i] = 0.0f; }
         return;
     }
-    float *c = s + E, *gs = c + E;
+    router_logits(x, ldx, gate, H, T, E, s);
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * E * H >= ROUTE_PARALLEL_MIN)
+#endif
     for (int64_t t = 0; t < T; t++) {
-        const float *xt = x + t * ldx;
-        for (int64_t e = 0; e < E; e++) {
-            const float *ge = gate + e * H;
-            __m256 acc = _mm256_setzero_ps();
-            int64_t h = 0;
-            for (; h + 8 <= H; h += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xt + h), _mm256_loadu_ps(ge + h), acc);
-            float logit = hsum8(acc);
-            for (; h < H; h++) logit += xt[h] * ge[h];
-            s[e] = 1.0f / (1.0f + expf(-logit));
-            c[e] = bias ? s[e] + bias[e] : s[e];
-        }
-        for (int64_t g = 0; g < G; g++) {  /* group score: the sum of its two best choices */
-            float b1 = -INFINITY, b2 = -INFINITY;
-            for (int64_t e = g * per; e < (g + 1) * per; e++) {
-                if (c[e] > b1) { b2 = b1; b1 = c[e]; }
-                else if (c[e] > b2) b2 = c[e];
-            }
-            gs[g] = per > 1 ? b1 + b2 : b1;
-        }
-        for (int64_t j = 0; j < topk_group && j < G; j++) {  /* keep the best groups: mark them +inf */
-            int64_t best = -1;
-            for (int64_t g = 0; g < G; g++)
-                if (gs[g] != INFINITY && (best < 0 || gs[g] > gs[best])) best = g;
-            gs[best] = INFINITY;
-        }
-        float sum = 0.0f;
-        for (int64_t k = 0; k < K; k++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (gs[e / per] == INFINITY && c[e] != -INFINITY && (best < 0 || c[e] > c[best])) best = e;
-            ids[t * K + k] = best;
-            wts[t * K + k] = best >= 0 ? s[best] : 0.0f;
-            if (best >= 0) { sum += s[best]; c[best] = -INFINITY; }
-        }
-        for (int64_t k = 0; k < K; k++) {
-            float v = wts[t * K + k];
-            if (norm && K > 1) v = v / (sum + 1e-20f);
-            wts[t * K + k] = v * scale;
-        }
+        float c[E], gs[G];
+        route_one(s + t * E, bias, E, G, topk_group, K, norm, scale, c, gs, ids + t * K, wts + t * K);
     }
 }
 
