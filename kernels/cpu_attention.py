@@ -5,7 +5,9 @@ q k^T over 192 key dims, a causal softmax, then p v over 128 value dims. In floa
 most of a long prompt's step (a 1024-token prompt: ~60 ms a layer on two cores, at ~90 GFLOP/s). Where the
 cache holds the latents in bf16 (k and v are computed from them) and the build has bf16 products, both
 products run there, as every linear of the bf16 model already does: q (scaled) and the probabilities rounded
-to bf16, k and v held in bf16, float32 sums, a float32 softmax. `reference` is the same in torch.
+to bf16, k and v held in bf16, float32 sums, a float32 softmax. Between the products the causal softmax and
+the values' transposed bf16 layout run in C too (csrc/prompt_attention.cpp, ops moe_serve::causal_softmax and
+moe_serve::values_t). `reference` is the same in torch.
 
 Chunks of fewer than MIN_QUERIES queries stay in float32: converting and padding k and v costs more than
 the faster products save there (16 queries: 1.5-1.7x slower; 32: even; 64 over 256 keys: 1.6x faster).
@@ -50,19 +52,19 @@ def prefill_attention_bf16(q_NQK: torch.Tensor, k_NLK: torch.Tensor, v_NLV: torc
     Lp, Kp, Vp = _padded(L), _padded(K), _padded(V, 16)
     k_NPK = torch.zeros(N, Lp, Kp, dtype=torch.bfloat16)
     k_NPK[:, :L, :K] = k_NLK
-    v_NVP = torch.zeros(N, Vp, Lp, dtype=torch.bfloat16)
-    v_NVP[:, :V, :L] = v_NLV.transpose(1, 2)
+    v_NVP = torch.empty(N, Vp, Lp, dtype=torch.bfloat16)
+    torch.ops.moe_serve.values_t(v_NLV if v_NLV.stride(2) == 1 else v_NLV.contiguous(), v_NVP)  # zeros past V, L
     q_NQP = F.pad(q_NQK * scale, (0, Kp - K))
     out_NQV = q_NQK.new_empty(N, Q, V)
     blocks = -(-Q // QUERY_BLOCK)
     size = _padded(-(-Q // blocks), 16)
     for q0 in range(0, Q, size):  # a block of queries sees keys up to its last query's position only
         q1 = min(Q, q0 + size)
-        keys = L - Q + q1
-        kp = _padded(keys)
+        kp = _padded(L - Q + q1)
         scores_NBP = cpu_bf16w.bmm(q_NQP[:, q0:q1], k_NPK[:, :kp])
-        scores_NBP.masked_fill_(F.pad(future_mask(q1 - q0, keys), (0, kp - keys), value=True)[None], float("-inf"))
-        out_NQV[:, q0:q1] = cpu_bf16w.bmm(scores_NBP.softmax(dim=-1), v_NVP[:, :, :kp])[..., :V]
+        # query q0 + i sees keys up to its position L - Q + q0 + i; the rest (and the padding) get 0
+        torch.ops.moe_serve.causal_softmax(scores_NBP.view(-1, kp), q1 - q0, L - Q + q0 + 1)
+        out_NQV[:, q0:q1] = cpu_bf16w.bmm(scores_NBP, v_NVP[:, :, :kp])[..., :V]
     return out_NQV
 
 

@@ -52,7 +52,7 @@ TILE_ISAS = ("amx", "avx512bf16")  # the builds whose products of TILE_ROWS+ row
 OPENMP = ["-fopenmp"]
 CPU_FLAGS = ("avx2", "fma", "f16c")
 OPS = ("mm_wt", "bmm_wt", "fused_moe", "mla_decode", "rms_norm", "rope", "mla_cache_write", "route_noaux_tc",
-       "decode_layer")  # what csrc/torch_ops.cpp registers
+       "decode_layer", "causal_softmax", "values_t")  # what csrc/torch_ops.cpp registers
 
 
 def cpu_has(*flags: str) -> bool:

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -80,6 +81,16 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* nearest, ties to even: what torch's .to(torch.bfloat16) gives */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint16_t upper = (uint16_t)(bits >> 16);
+    uint32_t dropped = bits & 0xffffu;
+    if ((upper & 0x7f80u) == 0x7f80u && (bits & 0x007fffffu)) return upper | 0x0040u;  /* a NaN stays a quiet NaN */
+    if (dropped > 0x8000u || (dropped == 0x8000u && (upper & 1u))) upper++;  /* a carry may reach the exponent */
+    return upper;
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -160,7 +171,8 @@ void fp8w_block(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_
                 int64_t K, int64_t O);
 
 /* The other kernels, each documented where it is defined (cpu_ops.cpp, linear_bf16w.cpp, mla_decode_bf16.cpp,
- * moe_bf16w.cpp, decode_layer.cpp); declared here so that decode_layer.cpp and torch_ops.cpp call them and the
+ * moe_bf16w.cpp, prompt_attention.cpp, decode_layer.cpp); declared here so that decode_layer.cpp and
+ * torch_ops.cpp call them and the
  * compiler checks every definition. */
 void rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t T, int64_t D, float eps);
 void rope_f32(const float *x, int64_t ldx_t, int64_t ldx_n, const float *cos_, const float *sin_, float *y,
@@ -171,6 +183,9 @@ void route_noaux_tc_f32(const float *x, int64_t ldx, const float *gate, int64_t 
 void mla_cache_write_bf16(const float *kv, int64_t ldkv, const float *norm_w, float eps, const float *cos_,
                           const float *sin_, int64_t interleaved, uint16_t *cache, const int64_t *slots, int64_t T,
                           int64_t C, int64_t R);
+void causal_softmax_f32(float *s, int64_t lds, int64_t R, int64_t P, int64_t per, int64_t seen0);
+void values_t_bf16(const float *v, int64_t ldv_n, int64_t ldv_l, int64_t N, int64_t L, int64_t V, uint16_t *out,
+                   int64_t Vp, int64_t Lp);
 void linear_w_batched(const float *x, int64_t ldx, int64_t bsx, const Weight *w, float *y, int64_t ldy, int64_t bsy,
                       int64_t M, int64_t K, int64_t O, int64_t batch);
 int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,

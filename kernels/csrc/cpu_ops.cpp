@@ -181,16 +181,6 @@ void route_noaux_tc_f32(const float *x, int64_t ldx, const float *gate, int64_t 
     }
 }
 
-static inline uint16_t f32_to_bf16(float f) {  /* nearest, ties to even: what torch's .to(torch.bfloat16) gives */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    uint16_t upper = (uint16_t)(bits >> 16);
-    uint32_t dropped = bits & 0xffffu;
-    if ((upper & 0x7f80u) == 0x7f80u && (bits & 0x007fffffu)) return upper | 0x0040u;  /* a NaN stays a quiet NaN */
-    if (dropped > 0x8000u || (dropped == 0x8000u && (upper & 1u))) upper++;  /* a carry may reach the exponent */
-    return upper;
-}
-
 /* MLA's cache write: row t of kv [T, C + R] (row stride ldkv; kv_a_proj_with_mqa's output) becomes
  * [rms_norm(latent) * w, rope(k_pe)] in bf16 at cache row slots[t] (cache [*, C + R] contiguous bf16).
  * cos / sin [T, R/2]; interleaved as in rope_f32. */

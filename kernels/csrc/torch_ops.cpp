@@ -408,6 +408,26 @@ void decode_layer(const Tensor &x, const c10::List<OptTensor> &weights, at::IntA
     TORCH_CHECK(status == 0, "decode layer: no memory for its scratch");
 }
 
+void causal_softmax(const Tensor &scores, int64_t per, int64_t seen0) {
+    expect(scores, "scores", at::kFloat, 2);
+    unit_last(scores, "scores");
+    TORCH_CHECK_VALUE(per > 0 && seen0 > 0, "causal_softmax: queries per block (", per, ") and keys the first sees (",
+                      seen0, ") must be positive");
+    causal_softmax_f32(scores.data_ptr<float>(), scores.stride(0), scores.size(0), scores.size(1), per, seen0);
+}
+
+void values_t(const Tensor &v, const Tensor &out) {
+    expect(v, "v", at::kFloat, 3);
+    unit_last(v, "v");
+    expect(out, "out", at::kBFloat16, 3);
+    contiguous(out, "out");
+    int64_t N = v.size(0), L = v.size(1), V = v.size(2);
+    TORCH_CHECK_VALUE(out.size(0) == N && out.size(1) >= V && out.size(2) >= L && out.size(2) % 8 == 0, "out must be [",
+                      N, ", >= ", V, ", >= ", L, " and a multiple of 8], got ", out.sizes());
+    values_t_bf16(v.data_ptr<float>(), v.stride(0), v.stride(1), N, L, V, (uint16_t *)out.data_ptr(), out.size(1),
+                  out.size(2));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moe_serve, m) {
@@ -424,6 +444,8 @@ TORCH_LIBRARY(moe_serve, m) {
           "Tensor(a!) kv_cache, Tensor slots) -> ()");
     m.def("route_noaux_tc(Tensor x, Tensor gate, Tensor? bias, int num_groups, int topk_group, bool norm_topk_prob, "
           "float scale, Tensor(a!) weights, Tensor(b!) ids) -> ()");
+    m.def("causal_softmax(Tensor(a!) scores, int per, int seen0) -> ()");
+    m.def("values_t(Tensor v, Tensor(a!) out) -> ()");
     m.def("set_tile_rows(int rows) -> int", &set_tile_rows);
     m.def("decode_layer(Tensor(a!) x, Tensor?[] weights, int[] config, float[] scalars, Tensor cos, Tensor sin, "
           "Tensor(b!) kv_cache, Tensor slots, Tensor rows, Tensor block_tables, Tensor context_lens, "
@@ -440,4 +462,6 @@ TORCH_LIBRARY_IMPL(moe_serve, CPU, m) {
     m.impl("mla_cache_write", &mla_cache_write);
     m.impl("route_noaux_tc", &route_noaux_tc);
     m.impl("decode_layer", &decode_layer);
+    m.impl("causal_softmax", &causal_softmax);
+    m.impl("values_t", &values_t);
 }
