@@ -181,6 +181,14 @@ class CpuBackend(TorchBackend):
 class FusedDecodeLayer:
     """A decoder layer's all-decode step in one C call: x [T, H] in, x plus attention plus MLP out."""
 
+    # A step with one prompt chunk in it runs every layer op by op (~1 ms of Python and torch dispatch a layer
+    # on a 2 GHz core, and the chunk's context decompressed). Up to this many queries a chunk is cheaper as
+    # decode rows, one per query in the absorbed form, whatever the extra attention work that
+    # moe/attention.py absorbed_is_cheaper counts. Bench model, 2 cores (docs/benchmarks.md): a whole prompt
+    # of 8 / 64 / 256 tokens 6.4 -> 4.9, 13.9 -> 11.4, 37.6 -> 34.4 ms, but 384 tokens 52 -> 57; chunks of 256
+    # after 768 / 1792 cached tokens 55 -> 51, 179 -> 98 ms.
+    chunk_rows = 256
+
     def __init__(self, kernel: cpu_decode_layer.DecodeLayerKernel):
         self.kernel = kernel
 

@@ -26,7 +26,9 @@ weight's per-block scales, None for other weights):
   fused_moe(x_TH, experts, topk_weights_TK, topk_ids_TK, shared) -> y_TH   routed (+ shared) experts
   prepare(model)                                   once after loading: the weights as the backend wants them
   fused_decode_layer(spec) -> callable | None      an optional whole-layer fast path for decode steps (the
-                                                   callable returns None for inputs it does not take)
+                                                   callable returns None for inputs it does not take; its
+                                                   `chunk_rows`: prompt chunks of up to this many queries
+                                                   are worth giving as decode rows to take the path)
 """
 
 from __future__ import annotations

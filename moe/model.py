@@ -240,6 +240,15 @@ class DeepseekForCausalLM(nn.Module):
         """This stage's MoE blocks by layer index."""
         return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(getattr(layer, "mlp", None), MoEBlock)}
 
+    def decode_rows_limit(self) -> int:
+        """Prompt chunks of up to this many queries run as decode rows (one per query, the absorbed form)
+        whatever their attention's cost: where every local layer has the backend's whole-layer path, which
+        takes all-decode steps only, the fewest `chunk_rows` it names; else 0."""
+        fast = [layer.fast_decode for layer in self.model.layers[self.model.start:self.model.end]]
+        if not fast or any(f is None for f in fast):
+            return 0
+        return min(getattr(f, "chunk_rows", 0) for f in fast)
+
     def after_loading(self) -> None:
         """Once, after the weights are in: MLA's absorbed per-head weights, the kernel backend's preparation
         (kernels/ops.py), and each layer's whole-layer decode path where the backend has one."""

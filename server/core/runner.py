@@ -89,6 +89,7 @@ class ModelRunner:
             self.model.requires_grad_(False)
             load_checkpoint(self.model, model_dir, cfg)
             self.model.eval()
+        self.decode_rows_limit = self.model.decode_rows_limit()  # prompt chunks this short go as decode rows
         with self.startup.phase("kv_cache"):
             # One latent cache tensor per local layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
             self.kv_caches = [torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=self.device)
@@ -124,7 +125,7 @@ class ModelRunner:
                 decode_idx.append(t0)
                 decode_tables.append(req.block_ids[:num_blocks])
                 decode_lens.append(end)
-            elif absorbed_is_cheaper(n, end, self.cfg):  # a short chunk: one decode row per query
+            elif n <= self.decode_rows_limit or absorbed_is_cheaper(n, end, self.cfg):  # one decode row per query
                 token_ids.extend(req.all_token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, end))
