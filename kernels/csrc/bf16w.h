@@ -69,7 +69,8 @@ static inline __m512 sum16x16(const __m512 *v) {
         u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xdd));
     for (int i = 0; i < 2; i++)  /* quarter k, lanes 0-1: v[8i + k]'s, lanes 2-3: v[8i + 4 + k]'s */
-        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee));
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee));
     __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xdd));
     /* lane 4k + j of r is v[4j + k]'s sum */
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);

@@ -158,8 +158,8 @@ static void heads_dpbf16(const uint16_t *qh, const uint16_t *cache, int64_t bs, 
     __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), total);
     for (int64_t l = 0; l < L; l += 2) {  /* (p[l], p[l + 1]) as bf16 pairs, per head */
         __m128i p0 = (__m128i)_mm256_cvtneps_pbh(_mm256_mul_ps(_mm256_loadu_ps(s + l * DP_HEADS), inv));
-        __m128i p1 = l + 1 < L ? (__m128i)_mm256_cvtneps_pbh(_mm256_mul_ps(_mm256_loadu_ps(s + (l + 1) * DP_HEADS), inv))
-                               : _mm_setzero_si128();
+        __m128i p1 = _mm_setzero_si128();
+        if (l + 1 < L) p1 = (__m128i)_mm256_cvtneps_pbh(_mm256_mul_ps(_mm256_loadu_ps(s + (l + 1) * DP_HEADS), inv));
         _mm_storeu_si128((__m128i *)(pp + (l / 2) * DP_HEADS), _mm_unpacklo_epi16(p0, p1));
         _mm_storeu_si128((__m128i *)(pp + (l / 2) * DP_HEADS + 4), _mm_unpackhi_epi16(p0, p1));
     }

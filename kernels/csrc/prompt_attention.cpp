@@ -94,7 +94,8 @@ void values_t_bf16(const float *v, int64_t ldv_n, int64_t ldv_l, int64_t N, int6
                     for (int64_t i = 0; i < 8; i++)
                         r[i] = k0 + i < m ? _mm256_loadu_ps(rows + (k0 + i) * ldv_l + c) : _mm256_setzero_ps();
                     transpose8(r);
-                    for (int64_t j = 0; j < 8; j++) _mm_storeu_si128((__m128i *)(o + (c + j) * Lp + l0 + k0), bf16x8(r[j]));
+                    for (int64_t j = 0; j < 8; j++)
+                        _mm_storeu_si128((__m128i *)(o + (c + j) * Lp + l0 + k0), bf16x8(r[j]));
                 }
             for (; c < V; c++)
                 for (int64_t i = 0; i < keys; i++) o[c * Lp + l0 + i] = i < m ? f32_to_bf16(rows[i * ldv_l + c]) : 0;
