@@ -77,6 +77,27 @@ static inline __m512 sum16x16(const __m512 *v) {
 }
 #endif
 
+/* One vector of float32 lanes, the widest the build has: 16 in the AVX-512 build, 8 with AVX2. */
+#ifdef __AVX512F__
+#define WLANES 16
+typedef __m512 wvec;
+#define WLOAD _mm512_loadu_ps
+#define WSTORE _mm512_storeu_ps
+#define WLOADW load_bf16x16
+#define WSET1 _mm512_set1_ps
+#define WZERO _mm512_setzero_ps
+#define WFMA _mm512_fmadd_ps
+#else
+#define WLANES 8
+typedef __m256 wvec;
+#define WLOAD _mm256_loadu_ps
+#define WSTORE _mm256_storeu_ps
+#define WLOADW load_bf16x8
+#define WSET1 _mm256_set1_ps
+#define WZERO _mm256_setzero_ps
+#define WFMA _mm256_fmadd_ps
+#endif
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -82,29 +82,19 @@ static void router_logits(const float *x, int64_t ldx, const float *gate, int64_
             for (int j = 0; j < 4; j++) gr[j] = gate + (e0 + j < E ? e0 + j : E - 1) * H;
             alignas(64) float sums[RT][4];
             int64_t h = 0;
-#ifdef __AVX512F__
-            __m512 acc[RT * 4];
-            for (int i = 0; i < RT * 4; i++) acc[i] = _mm512_setzero_ps();
-            for (; h + 16 <= H; h += 16) {
-                __m512 g[4];
-                for (int j = 0; j < 4; j++) g[j] = _mm512_loadu_ps(gr[j] + h);
+            wvec acc[RT * 4];
+            for (int i = 0; i < RT * 4; i++) acc[i] = WZERO();
+            for (; h + WLANES <= H; h += WLANES) {
+                wvec g[4];
+                for (int j = 0; j < 4; j++) g[j] = WLOAD(gr[j] + h);
                 for (int i = 0; i < RT; i++) {
-                    __m512 xv = _mm512_loadu_ps(xr[i] + h);
-                    for (int j = 0; j < 4; j++) acc[4 * i + j] = _mm512_fmadd_ps(xv, g[j], acc[4 * i + j]);
+                    wvec xv = WLOAD(xr[i] + h);
+                    for (int j = 0; j < 4; j++) acc[4 * i + j] = WFMA(xv, g[j], acc[4 * i + j]);
                 }
             }
+#ifdef __AVX512F__
             _mm512_store_ps(&sums[0][0], sum16x16(acc));  /* lane 4i + j: token i, expert j */
 #else
-            __m256 acc[RT * 4];
-            for (int i = 0; i < RT * 4; i++) acc[i] = _mm256_setzero_ps();
-            for (; h + 8 <= H; h += 8) {
-                __m256 g[4];
-                for (int j = 0; j < 4; j++) g[j] = _mm256_loadu_ps(gr[j] + h);
-                for (int i = 0; i < RT; i++) {
-                    __m256 xv = _mm256_loadu_ps(xr[i] + h);
-                    for (int j = 0; j < 4; j++) acc[4 * i + j] = _mm256_fmadd_ps(xv, g[j], acc[4 * i + j]);
-                }
-            }
             for (int i = 0; i < RT; i++)
                 for (int j = 0; j < 4; j++) sums[i][j] = hsum8(acc[4 * i + j]);
 #endif

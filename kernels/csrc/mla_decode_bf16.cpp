@@ -45,26 +45,12 @@ static void softmax_inplace(float *s, int64_t L) {
     for (int64_t i = 0; i < L; i++) s[i] *= inv;
 }
 
-/* One vector of float32 lanes, and how many heads' sums fit in the registers: 16 lanes and 8 heads in the
- * AVX-512 build (32 registers), 8 lanes and 4 heads with AVX2 (16 registers). */
+/* How many heads' sums fit in the registers (wvec, bf16w.h): 8 in the AVX-512 build (32 registers), 4 with
+ * AVX2 (16 registers). */
 #ifdef __AVX512F__
-#define WLANES 16
 #define WHEADS 8
-typedef __m512 wvec;
-#define WLOAD _mm512_loadu_ps
-#define WSTORE _mm512_storeu_ps
-#define WLOADW load_bf16x16
-#define WSET1 _mm512_set1_ps
-#define WFMA _mm512_fmadd_ps
 #else
-#define WLANES 8
 #define WHEADS 4
-typedef __m256 wvec;
-#define WLOAD _mm256_loadu_ps
-#define WSTORE _mm256_storeu_ps
-#define WLOADW load_bf16x8
-#define WSET1 _mm256_set1_ps
-#define WFMA _mm256_fmadd_ps
 #endif
 
 /* o[n, c0 .. c0 + WLANES NC) += sum over the rows r of p[n, r] * row_r[c0 ..), n < NH: the NH x NC sums stay in
@@ -203,58 +189,63 @@ static void heads_dpbf16(const uint16_t *qh, const uint16_t *cache, int64_t bs, 
         }
 }
 
-/* The sequences on the bf16 products (the shapes checked by the caller). */
-static int64_t mla_decode_dpbf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs,
-                                 int64_t D, const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out,
-                                 int64_t ldo_b, int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale,
-                                 const int64_t *qrows) {
-    int64_t failed = 0;
-    int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && B > 1)
-#endif
-    for (int64_t b = 0; b < B; b++) {
-        int64_t row = qrows ? qrows[b] : b;
-        const float *qb = q + row * ldq_b;
-        float *ob = out + row * ldo_b;
-        int64_t L = lens[b], Lp = L + (L & 1);
-        if (L <= 0) {
-            for (int64_t n = 0; n < N; n++)
-                for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
-            continue;
-        }
-        size_t bytes = (size_t)DP_HEADS * (size_t)D * 2 + (size_t)Lp * DP_HEADS * 4 + (size_t)(Lp / 2) * DP_HEADS * 4
-                       + (size_t)DP_HEADS * (size_t)C * 4;
-        uint16_t *qh = (uint16_t *)thread_scratch(bytes);
-        if (!qh) {
-            failed = 1;
-            continue;
-        }
-        float *s = (float *)(qh + DP_HEADS * D), *acc = s + Lp * DP_HEADS;
-        uint32_t *pp = (uint32_t *)(acc + DP_HEADS * C);
-        for (int64_t n0 = 0; n0 < N; n0 += DP_HEADS) {
-            int64_t nh = N - n0 < DP_HEADS ? N - n0 : DP_HEADS;
-            for (int64_t n = 0; n < DP_HEADS; n++)
-                for (int64_t d = 0; d < D; d += 16)
-                    _mm256_storeu_si256((__m256i *)(qh + n * D + d),
-                                        n < nh ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qb + (n0 + n) * ldq_n + d))
-                                               : _mm256_setzero_si256());
-            heads_dpbf16(qh, cache, bs, D, tables + b * ld_t, L, s, pp, acc, C, scale, ob + n0 * ldo_n, ldo_n, nh);
-        }
+/* One sequence on the bf16 products (the shapes checked by the caller): q row qb, output row ob (L > 0).
+ * Returns 0, or -1 when scratch memory could not be had. */
+static int seq_dpbf16(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
+                      const int64_t *table, int64_t L, float *ob, int64_t ldo_n, int64_t N, int64_t C, float scale) {
+    int64_t Lp = L + (L & 1);
+    size_t bytes = (size_t)DP_HEADS * (size_t)D * 2 + (size_t)Lp * DP_HEADS * 4 + (size_t)(Lp / 2) * DP_HEADS * 4
+                   + (size_t)DP_HEADS * (size_t)C * 4;
+    uint16_t *qh = (uint16_t *)thread_scratch(bytes);
+    if (!qh) return -1;
+    float *s = (float *)(qh + DP_HEADS * D), *acc = s + Lp * DP_HEADS;
+    uint32_t *pp = (uint32_t *)(acc + DP_HEADS * C);
+    for (int64_t n0 = 0; n0 < N; n0 += DP_HEADS) {
+        int64_t nh = N - n0 < DP_HEADS ? N - n0 : DP_HEADS;
+        for (int64_t n = 0; n < DP_HEADS; n++)
+            for (int64_t d = 0; d < D; d += 16)
+                _mm256_storeu_si256((__m256i *)(qh + n * D + d),
+                                    n < nh ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qb + (n0 + n) * ldq_n + d))
+                                           : _mm256_setzero_si256());
+        heads_dpbf16(qh, cache, bs, D, table, L, s, pp, acc, C, scale, ob + n0 * ldo_n, ldo_n, nh);
     }
-    return failed ? -1 : 0;
+    return 0;
 }
 #endif
+
+/* One sequence in float32 (widened cached rows, multiply-adds): q row qb, output row ob (L > 0). Returns 0,
+ * or -1 when scratch memory could not be had. */
+static int seq_f32(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
+                   const int64_t *table, int64_t L, float *ob, int64_t ldo_n, int64_t N, int64_t C, float scale) {
+    float *scratch = (float *)thread_scratch((size_t)(N * L) * sizeof(float));
+    if (!scratch) return -1;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
+    for (int64_t l0 = 0; l0 < L; l0 += bs) {  /* scores, one cache block at a time */
+        int64_t rows = L - l0 < bs ? L - l0 : bs;
+        linear_bf16w(qb, ldq_n, cache + table[l0 / bs] * bs * D, D, scratch + l0, L, N, D, rows);
+    }
+    for (int64_t n = 0; n < N; n++) {
+        float *s = scratch + n * L;
+        for (int64_t l = 0; l < L; l++) s[l] *= scale;
+        softmax_inplace(s, L);
+    }
+    for (int64_t l0 = 0; l0 < L; l0 += bs) {  /* probabilities times the latent rows */
+        int64_t rows = L - l0 < bs ? L - l0 : bs;
+        weighted_rows(scratch + l0, L, cache + table[l0 / bs] * bs * D, D, rows, ob, ldo_n, N, C);
+    }
+    return 0;
+}
 
 int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
                      const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
                      int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale, const int64_t *qrows) {
 #ifdef __AVX512BF16__
-    if (D % 32 == 0 && C % 32 == 0 && bs % 2 == 0 && set_tile_rows(-1) > 0)
-        return mla_decode_dpbf16(q, ldq_b, ldq_n, cache, bs, D, tables, ld_t, lens, out, ldo_b, ldo_n, B, N, C, scale,
-                                 qrows);
+    const bool dp = D % 32 == 0 && C % 32 == 0 && bs % 2 == 0 && set_tile_rows(-1) > 0;
+#else
+    const bool dp = false;
 #endif
+    (void)dp;
     int64_t failed = 0;
     int nt = threads_for_region();
     (void)nt;
@@ -262,29 +253,22 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && B > 1)
 #endif
     for (int64_t b = 0; b < B; b++) {
-        int64_t row = qrows ? qrows[b] : b;
+        int64_t row = qrows ? qrows[b] : b, L = lens[b];
         const float *qb = q + row * ldq_b;
         float *ob = out + row * ldo_b;
-        int64_t L = lens[b];
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
-        float *scratch = L > 0 ? (float *)thread_scratch((size_t)(N * L) * sizeof(float)) : NULL;
-        if (L > 0 && !scratch) failed = 1;
-        if (!scratch) continue;
         const int64_t *table = tables + b * ld_t;
-        for (int64_t l0 = 0; l0 < L; l0 += bs) {  /* scores, one cache block at a time */
-            int64_t rows = L - l0 < bs ? L - l0 : bs;
-            linear_bf16w(qb, ldq_n, cache + table[l0 / bs] * bs * D, D, scratch + l0, L, N, D, rows);
+        if (L <= 0) {
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
+            continue;
         }
-        for (int64_t n = 0; n < N; n++) {
-            float *s = scratch + n * L;
-            for (int64_t l = 0; l < L; l++) s[l] *= scale;
-            softmax_inplace(s, L);
+#ifdef __AVX512BF16__
+        if (dp) {
+            if (seq_dpbf16(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale)) failed = 1;
+            continue;
         }
-        for (int64_t l0 = 0; l0 < L; l0 += bs) {  /* probabilities times the latent rows */
-            int64_t rows = L - l0 < bs ? L - l0 : bs;
-            weighted_rows(scratch + l0, L, cache + table[l0 / bs] * bs * D, D, rows, ob, ldo_n, N, C);
-        }
+#endif
+        if (seq_f32(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale)) failed = 1;
     }
     return failed ? -1 : 0;
 }
