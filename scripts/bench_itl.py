@@ -135,7 +135,7 @@ def main() -> None:
         order = settings if rnd % 2 == 0 else settings[::-1]
         for rate in args.rates:
             reqs = make_requests(args.num_prompts, rate, args.input_len, args.output_len, args.range_ratio, vocab,
-                                 args.seed + int(rate * 100) + 1000 * rnd)
+                                 args.seed + (int(rate * 100) if rate != float("inf") else 99_999) + 1000 * rnd)
             for text, _ in order:
                 results.setdefault((text, rate), []).append(replay(engines[text], reqs, args.output_len))
     cols = ["ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "itl_p99", "ratio", "floor_ratio", "tok_s", "prompt_steps",
