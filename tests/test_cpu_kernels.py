@@ -52,6 +52,7 @@ def test_mla_decode_equals_reference(lens, bs, N, C, R, float32_products):
     ([7, 16, 17, 200], 16, 8, 512, 64),  # odd, exact and multi-block contexts
     ([33, 5], 4, 3, 64, 32),             # 3 heads: one partial group of 8
     ([31, 2, 64], 16, 12, 32, 32),       # 12 heads: a full group and a partial one
+    ([45, 96, 3], 32, 20, 64, 32),       # AMX: two passes of heads (16 + 4), rows in 16s inside blocks of 32
 ])
 def test_mla_decode_on_the_bf16_products(lens, bs, N, C, R, float32_products):
     """With the bf16 products on, decode attention equals the reference with bf16 operands (q for the scores,

@@ -18,7 +18,8 @@
  * of 32 (bs even), both products run on AVX512-BF16 dot products instead, as attention runs on a GPU: the
  * query rounded to bf16 (to nearest even) for the scores, the softmax in float32, the probabilities rounded to
  * bf16 for the values, sums in float32 (kernels/cpu_mla.py `reference(bf16_products=True)`). Twice the
- * multiply-adds an instruction, and no widening of the cached rows.
+ * multiply-adds an instruction, and no widening of the cached rows. In the AMX build, with a block size that
+ * is a multiple of 16, the same products run on the tiles (mla_decode_amx.cpp), 16 heads a pass.
  */
 #include "bf16w.h"
 
@@ -263,8 +264,10 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
             continue;
         }
 #ifdef __AVX512BF16__
-        if (dp) {
-            if (seq_dpbf16(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale)) failed = 1;
+        if (dp) {  /* on AMX tiles where they take it, else on the dot products */
+            int tiles = mla_seq_tiles(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale);
+            if (tiles < 0 || (tiles == 0 && seq_dpbf16(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale)))
+                failed = 1;
             continue;
         }
 #endif

@@ -1,0 +1,166 @@
+/* One sequence of MLA's absorbed decode attention on AMX tiles (the AMX build only): the same arithmetic as
+ * the AVX512-BF16 dot products of mla_decode_bf16.cpp (q rounded to bf16 for the scores, the softmax in
+ * float32, the probabilities rounded to bf16 for the values, float32 sums; reference:
+ * kernels/cpu_mla.py `reference(bf16_products=True)`), 16 heads a pass. A tile multiply does 16 x 16 x 32
+ * multiply-adds where vdpbf16ps does 16 x 2, so the pass is bound by reading the cache, not by arithmetic.
+ *
+ * Scores, per 16 cached rows: C[16 rows, 16 heads] += A[16 rows, 32 dims] B[32 dims, 16 heads], where A is
+ * the cache rows as they lie in their block (so the block size must be a multiple of 16) and B is q packed in
+ * (bf16, bf16) pairs along the dims (qp, transposed once per pass).
+ * Values, per 32 latent columns: C[16 heads, 32 columns] += A[16 heads, 32 rows] B[32 rows, 32 columns], A
+ * the probabilities (pairs of rows, transposed once per pass), B the cache rows of two consecutive positions
+ * interleaved (unpacklo / unpackhi by 16 bits: columns in the order mla_decode_bf16.cpp's value loop leaves
+ * them, put back in place on the way out).
+ *
+ * Returns 1 when it ran, 0 where it does not apply (not the AMX build, tiles off, block size not a multiple of
+ * 16, D or C not a multiple of 32), -1 when scratch memory could not be had.
+ */
+#include "bf16w.h"
+#include "pack_bf16.h"
+
+#if HAVE_AMX_BF16
+
+#define TILE_HEADS 16
+
+/* tile k-step `ks` of the scores' B operand: qp + ks * 256, [16 pairs of dims][16 heads] uint32 */
+static void pack_q(const float *qb, int64_t ldq_n, int64_t nh, int64_t D, uint32_t *qp) {
+    __m512i rows[16], cols[16];
+    for (int64_t d = 0; d < D; d += 32) {
+        for (int n = 0; n < 16; n++) {
+            const float *r = qb + n * ldq_n + d;
+            rows[n] = n < nh ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(r + 16), _mm512_loadu_ps(r))
+                             : _mm512_setzero_si512();
+        }
+        transpose16(rows, cols);  /* cols[j][n] = (q[n, d + 2j], q[n, d + 2j + 1]) */
+        for (int j = 0; j < 16; j++) _mm512_storeu_si512(qp + (d / 32) * 256 + j * 16, cols[j]);
+    }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} MlaTileConfig;
+
+int mla_seq_tiles(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D, const int64_t *table,
+                  int64_t L, float *ob, int64_t ldo_n, int64_t N, int64_t C, float scale) {
+    if (set_tile_rows(-1) <= 0 || bs % 16 || D % 32 || C % 32 || L <= 0) return 0;
+    int64_t L16 = (L + 15) & ~(int64_t)15, L32 = (L + 31) & ~(int64_t)31;
+    size_t bytes = (size_t)(D / 32) * 256 * 4       /* qp */
+                   + (size_t)L16 * TILE_HEADS * 4  /* s: scores [L16, 16 heads] */
+                   + (size_t)(L32 / 2) * 16 * 4    /* pp: [pairs of rows, 16 heads] */
+                   + (size_t)(L32 / 32) * 256 * 4  /* pa: per 32 rows, [16 heads, 16 pairs] */
+                   + 2 * 256 * 4 + 2 * 256 * 4 + 64;  /* two B tiles of values, two C tiles out */
+    char *buf = (char *)thread_scratch(bytes);
+    if (!buf) return -1;
+    uint32_t *qp = (uint32_t *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    float *s = (float *)(qp + (D / 32) * 256);
+    uint32_t *pp = (uint32_t *)(s + L16 * TILE_HEADS), *pa = pp + (L32 / 2) * 16;
+    uint32_t *vb = pa + (L32 / 32) * 256;  /* [2][16 pairs of rows][16 columns] */
+    float *cb = (float *)(vb + 2 * 256);   /* [2][16 heads][16 columns] */
+
+    MlaTileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t n0 = 0; n0 < N; n0 += TILE_HEADS) {
+        int64_t nh = N - n0 < TILE_HEADS ? N - n0 : TILE_HEADS;
+        pack_q(qb + n0 * ldq_n, ldq_n, nh, D, qp);
+        /* scores: 16 cached rows (one block's) at a time; rows past L give sums never read */
+        for (int64_t l0 = 0; l0 < L; l0 += 16) {
+            const uint16_t *rows = cache + (table[l0 / bs] * bs + l0 % bs) * D;
+            const uint16_t *next = l0 + 16 < L ? cache + (table[(l0 + 16) / bs] * bs + (l0 + 16) % bs) * D : NULL;
+            _tile_zero(0);
+            for (int64_t d = 0; d < D; d += 32) {
+                if (next)  /* the next rows' same columns: blocks lie anywhere, where no hardware prefetcher follows */
+                    for (int r = 0; r < 16; r++) _mm_prefetch((const char *)(next + r * D + d), _MM_HINT_T0);
+                _tile_loadd(1, rows + d, D * 2);
+                _tile_loadd(2, qp + (d / 32) * 256, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, s + l0 * TILE_HEADS, TILE_HEADS * 4);
+        }
+        /* softmax over the context per head (the heads in the lanes), then (p[l], p[l + 1]) pairs in bf16 */
+        const __m256 vscale = _mm256_set1_ps(scale);
+        __m256 mx[2], total[2], inv[2];
+        for (int h = 0; h < 2; h++) {
+            mx[h] = _mm256_loadu_ps(s + 8 * h);
+            for (int64_t l = 1; l < L; l++) mx[h] = _mm256_max_ps(mx[h], _mm256_loadu_ps(s + l * TILE_HEADS + 8 * h));
+            mx[h] = _mm256_mul_ps(mx[h], vscale);
+            total[h] = _mm256_setzero_ps();
+        }
+        for (int64_t l = 0; l < L; l++)
+            for (int h = 0; h < 2; h++) {
+                float *sl = s + l * TILE_HEADS + 8 * h;
+                __m256 e = exp_neg(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(sl), vscale), mx[h]));  /* as the reference rounds */
+                _mm256_storeu_ps(sl, e);
+                total[h] = _mm256_add_ps(total[h], e);
+            }
+        for (int h = 0; h < 2; h++) inv[h] = _mm256_div_ps(_mm256_set1_ps(1.0f), total[h]);
+        __m512 vinv = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(inv[0])), _mm256_castps_pd(inv[1]), 1));
+        for (int64_t l = 0; l < L32; l += 2) {
+            __m256i p0 = l < L ? (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + l * TILE_HEADS), vinv))
+                               : _mm256_setzero_si256();
+            __m256i p1 = l + 1 < L
+                             ? (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + (l + 1) * TILE_HEADS), vinv))
+                             : _mm256_setzero_si256();
+            __m256i lo = _mm256_unpacklo_epi16(p0, p1), hi = _mm256_unpackhi_epi16(p0, p1);  /* heads 0-3 8-11 | 4-7 12-15 */
+            _mm256_storeu_si256((__m256i *)(pp + (l / 2) * 16), _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_storeu_si256((__m256i *)(pp + (l / 2) * 16 + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+        for (int64_t g = 0; g < L32 / 32; g++) {  /* the values' A operand: [16 heads][16 pairs of rows] */
+            __m512i rows[16], cols[16];
+            for (int j = 0; j < 16; j++) rows[j] = _mm512_loadu_si512(pp + (g * 16 + j) * 16);
+            transpose16(rows, cols);
+            for (int n = 0; n < 16; n++) _mm512_storeu_si512(pa + g * 256 + n * 16, cols[n]);
+        }
+        /* values: 32 latent columns at a time over the whole context */
+        for (int64_t c0 = 0; c0 < C; c0 += 32) {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t l0 = 0; l0 < L; l0 += 32) {
+                for (int j = 0; j < 16; j++) {  /* rows l0 + 2j and l0 + 2j + 1 (one block: bs is even) */
+                    int64_t l = l0 + 2 * j;
+                    __m512i a = zero, b = zero;
+                    if (l < L) {
+                        const uint16_t *r = cache + (table[l / bs] * bs + l % bs) * D + c0;
+                        a = _mm512_loadu_si512(r);
+                        if (l + 1 < L) b = _mm512_loadu_si512(r + D);
+                    }
+                    _mm512_store_si512(vb + j * 16, _mm512_unpacklo_epi16(a, b));
+                    _mm512_store_si512(vb + 256 + j * 16, _mm512_unpackhi_epi16(a, b));
+                }
+                _tile_loadd(2, pa + (l0 / 32) * 256, 64);
+                _tile_loadd(3, vb, 64);
+                _tile_loadd(4, vb + 256, 64);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+            }
+            _tile_stored(0, cb, 64);
+            _tile_stored(1, cb + 256, 64);
+            for (int64_t n = 0; n < nh; n++) {
+                __m512 lo = _mm512_load_ps(cb + n * 16), hi = _mm512_load_ps(cb + 256 + n * 16);
+                float *o = ob + (n0 + n) * ldo_n + c0;
+                _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, first, hi));
+                _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, second, hi));
+            }
+        }
+    }
+    _tile_release();
+    return 1;
+}
+
+#else
+
+int mla_seq_tiles(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D, const int64_t *table,
+                  int64_t L, float *ob, int64_t ldo_n, int64_t N, int64_t C, float scale) {
+    (void)qb, (void)ldq_n, (void)cache, (void)bs, (void)D, (void)table, (void)L, (void)ob, (void)ldo_n, (void)N;
+    (void)C, (void)scale;
+    return 0;
+}
+
+#endif
