@@ -9,8 +9,9 @@
  *
  * The weight stays as loaded ([O, K], unit stride in K): a tile of 16 of its rows and 32 of its columns is
  * the A operand as it lies in memory. x is the B operand, which the instruction takes in pairs along K:
- * packed once per call into xp [K / 2, Mp] of 32-bit (bf16, bf16) pairs, Mp = M rounded up to 16 (rows of
- * zeros), by 16 x 16 transposes in registers. A tile of C then holds y transposed (16 weight rows by 16 x
+ * packed once per call, by all the threads, into blocks of 16 x rows, each [K / 2, 16] 32-bit (bf16, bf16)
+ * pairs (one B tile a contiguous KiB: a tile of rows Mp apart put all 16 in one L1 set), M rounded up to 16
+ * (rows of zeros), by 16 x 16 transposes in registers. The x rows go in passes whose packed pairs stay in L2. A tile of C then holds y transposed (16 weight rows by 16 x
  * rows), transposed the same way into y. Each thread takes 32 weight rows at a time against all of x (two A
  * tiles, two B tiles, four C tiles). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and
  * the float32 kernel runs.
@@ -51,23 +52,23 @@ static inline void store_transposed(const float *c, float *y, int64_t ldy, int64
     for (int64_t j = 0; j < 16 && m0 + j < M; j++) _mm512_storeu_si512(y + (m0 + j) * ldy + o0, cols[j]);
 }
 
-/* weight rows o0 .. o0 + 16 * NA (NA = 1 or 2) against all of xp, into y */
+/* weight rows o0 .. o0 + 16 * NA (NA = 1 or 2) against rows m1 .. m2 of xp (of Mp), into y */
 template <int NA>
-static void weight_rows(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t Mp, int64_t M, int64_t K,
-                        int64_t o0, float *y, int64_t ldy) {
+static void weight_rows(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t Mp, int64_t m1, int64_t m2,
+                        int64_t M, int64_t K, int64_t o0, float *y, int64_t ldy) {
     alignas(64) float c[16 * 16];
-    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-        int two = Mp - m0 >= 32;
+    for (int64_t m0 = m1; m0 < m2; m0 += 32) {
+        int two = m2 - m0 >= 32;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t k = 0; k < K; k += 32) {
             _tile_loadd(4, w + o0 * ldw + k, ldw * 2);
-            _tile_loadd(6, xp + (k / 2) * Mp + m0, Mp * 4);
+            _tile_loadd(6, xp + m0 * (K / 2) + (k / 2) * 16, 64);
             _tile_dpbf16ps(0, 4, 6);
             if (two) {
-                _tile_loadd(7, xp + (k / 2) * Mp + m0 + 16, Mp * 4);
+                _tile_loadd(7, xp + (m0 + 16) * (K / 2) + (k / 2) * 16, 64);
                 _tile_dpbf16ps(1, 4, 7);
             }
             if (NA == 2) {
@@ -103,25 +104,36 @@ int64_t set_tile_rows(int64_t rows) {
 int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                  int64_t O) {
     int64_t Mp;
-    uint32_t *xp = packed_x_for(x, ldx, w, M, K, O, tile_rows, &Mp);
+    uint32_t *xp = packed_x_for(x, ldx, w, M, K, O, tile_rows, &Mp, 0);
     if (!xp) return 0;
     const uint16_t *wd = (const uint16_t *)w->data;
     int64_t ldw = w->ld, blocks = (O + 31) / 32;
+    /* x rows a pass over the weight takes: their packed pairs (2 K bytes a row) about 512 KiB, so that they stay
+     * in L2 while every block of weight rows goes by (x of 2048 rows by 512 columns is 2 MiB packed) */
+    int64_t pass = ((256 << 10) / K) & ~(int64_t)31;
+    if (pass < 32) pass = 32;
     int nt = threads_for_region();
     (void)nt;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(nt) if (nt > 1 && blocks > 1 && O * K >= PARALLEL_MIN_WEIGHTS)
+#pragma omp parallel num_threads(nt) if (nt > 1 && (blocks > 1 || Mp > 16) && O * K >= PARALLEL_MIN_WEIGHTS)
 #endif
     {
         tiles_on();
 #ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
 #endif
-        for (int64_t b = 0; b < blocks; b++) {
-            if (O - 32 * b >= 32)
-                weight_rows<2>(wd, ldw, xp, Mp, M, K, 32 * b, y, ldy);
-            else
-                weight_rows<1>(wd, ldw, xp, Mp, M, K, 32 * b, y, ldy);
+        for (int64_t m0 = 0; m0 < Mp; m0 += 16) pack_x_rows(x, ldx, M, K, m0, xp + m0 * (K / 2), 16);
+        for (int64_t m1 = 0; m1 < Mp; m1 += pass) {
+            int64_t m2 = Mp - m1 < pass ? Mp : m1 + pass;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1) nowait
+#endif
+            for (int64_t b = 0; b < blocks; b++) {
+                if (O - 32 * b >= 32)
+                    weight_rows<2>(wd, ldw, xp, Mp, m1, m2, M, K, 32 * b, y, ldy);
+                else
+                    weight_rows<1>(wd, ldw, xp, Mp, m1, m2, M, K, 32 * b, y, ldy);
+            }
         }
         _tile_release();
     }
