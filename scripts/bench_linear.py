@@ -26,7 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 from moe_serve.kernels import cpu_bf16w, cpu_build  # noqa: E402
 
 GEMM_SHAPES = [(256, 512, 512), (256, 512, 2048), (256, 1024, 2048), (256, 2048, 512), (48, 512, 2048),
-               (1024, 1024, 1024)]  # rows, in, out: the bench model's prompt-chunk products and one square one
+               (1024, 1024, 1024), (2048, 512, 1536), (2048, 1024, 512), (4096, 512, 512)]
+# rows, in, out: the bench model's prompt-chunk products, one square one, and steps of 2048-4096 prompt tokens
 
 
 def per_call_us(fn, calls: int, repeats: int = 5) -> float:
