@@ -10,11 +10,12 @@
  * The weight stays as loaded ([O, K], unit stride in K): a tile of 16 of its rows and 32 of its columns is
  * the A operand as it lies in memory. x is the B operand, which the instruction takes in pairs along K:
  * packed once per call, by all the threads, into blocks of 16 x rows, each [K / 2, 16] 32-bit (bf16, bf16)
- * pairs (one B tile a contiguous KiB: a tile of rows Mp apart put all 16 in one L1 set), M rounded up to 16
- * (rows of zeros), by 16 x 16 transposes in registers. The x rows go in passes whose packed pairs stay in L2. A tile of C then holds y transposed (16 weight rows by 16 x
- * rows), transposed the same way into y. Each thread takes 32 weight rows at a time against all of x (two A
- * tiles, two B tiles, four C tiles). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and
- * the float32 kernel runs.
+ * pairs (one B tile a contiguous KiB: a tile of rows M apart put all 16 in one L1 set), M rounded up to 16
+ * (rows of zeros), by 16 x 16 transposes in registers. A tile of C then holds y transposed (16 weight rows by
+ * 16 x rows), transposed the same way into y. The x rows go in passes whose packed pairs stay in L2; in each,
+ * a thread takes 32 weight rows at a time against all the pass's rows (two A tiles, two B tiles, four C
+ * tiles). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and the
+ * float32 kernel runs.
  */
 #include <string.h>
 
@@ -29,20 +30,6 @@
 #define XFEATURE_XTILEDATA 18
 
 static int64_t tile_rows;  /* 0: off */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void tiles_on(void) {  /* every tile 16 rows of 64 bytes; per thread (a core's tile state) */
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
-    _tile_loadconfig(&c);
-}
 
 /* c [16 weight rows][16 x rows] (a C tile) into y rows m0.. (< M), columns o0..o0 + 16 */
 static inline void store_transposed(const float *c, float *y, int64_t ldy, int64_t m0, int64_t M, int64_t o0) {

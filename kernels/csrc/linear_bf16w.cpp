@@ -37,9 +37,9 @@ typedef __m256 vecf;
 
 /* The weight is read once, from memory, as one stream per thread: a software prefetch PREFETCH_BYTES ahead
  * (one per 64-byte line; LINE_VECS vectors of bf16 a line) keeps more lines in flight than the hardware
- * prefetcher does on its own, which stops at each 4 KiB page. On a 2-core Intel Xeon VM (scripts/bench_step.py,
- * docs/benchmarks.md) a product of 1-4 rows by a 512 x 512 weight went from 14-20 to 22-24 GB/s; the sums
- * are unchanged (same order of work). */
+ * prefetcher does on its own, which stops at each 4 KiB page. On a 2-core Intel Xeon VM a product of 1 / 2 / 4
+ * rows by a 512 x 512 weight went from 29-30 / 31 / 35-38 to 26-31 / 26 / 30-31 us (scripts/bench_linear.py,
+ * docs/benchmarks.md); the sums are unchanged (same order of work). */
 #define PREFETCH_BYTES 4096
 #define LINE_VECS (64 / (2 * LANES))
 

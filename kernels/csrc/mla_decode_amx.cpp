@@ -36,11 +36,10 @@ static void pack_q(const float *qb, int64_t ldq_n, int64_t nh, int64_t D, uint32
     }
 }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} MlaTileConfig;
+/* 16 heads' probabilities of one row (exponentials times their 1 / sum) in bf16 */
+static inline __m256i probs_bf16(const float *row, __m512 vinv) {
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row), vinv));
+}
 
 int mla_seq_tiles(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D, const int64_t *table,
                   int64_t L, float *ob, int64_t ldo_n, int64_t N, int64_t C, float scale) {
@@ -59,11 +58,7 @@ int mla_seq_tiles(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t
     uint32_t *vb = pa + (L32 / 32) * 256;  /* [2][16 pairs of rows][16 columns] */
     float *cb = (float *)(vb + 2 * 256);   /* [2][16 heads][16 columns] */
 
-    MlaTileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
+    tiles_on();
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     const __m512i zero = _mm512_setzero_si512();
@@ -86,7 +81,7 @@ int mla_seq_tiles(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t
         }
         /* softmax over the context per head (the heads in the lanes), then (p[l], p[l + 1]) pairs in bf16 */
         const __m256 vscale = _mm256_set1_ps(scale);
-        __m256 mx[2], total[2], inv[2];
+        __m256 mx[2], total[2];
         for (int h = 0; h < 2; h++) {
             mx[h] = _mm256_loadu_ps(s + 8 * h);
             for (int64_t l = 1; l < L; l++) mx[h] = _mm256_max_ps(mx[h], _mm256_loadu_ps(s + l * TILE_HEADS + 8 * h));
@@ -96,19 +91,19 @@ int mla_seq_tiles(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t
         for (int64_t l = 0; l < L; l++)
             for (int h = 0; h < 2; h++) {
                 float *sl = s + l * TILE_HEADS + 8 * h;
-                __m256 e = exp_neg(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(sl), vscale), mx[h]));  /* as the reference rounds */
+                /* scaled, then the max taken off, as the reference rounds */
+                __m256 e = exp_neg(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(sl), vscale), mx[h]));
                 _mm256_storeu_ps(sl, e);
                 total[h] = _mm256_add_ps(total[h], e);
             }
-        for (int h = 0; h < 2; h++) inv[h] = _mm256_div_ps(_mm256_set1_ps(1.0f), total[h]);
-        __m512 vinv = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(inv[0])), _mm256_castps_pd(inv[1]), 1));
+        alignas(64) float inv16[TILE_HEADS];
+        for (int h = 0; h < 2; h++) _mm256_store_ps(inv16 + 8 * h, _mm256_div_ps(_mm256_set1_ps(1.0f), total[h]));
+        const __m512 vinv = _mm512_load_ps(inv16);
         for (int64_t l = 0; l < L32; l += 2) {
-            __m256i p0 = l < L ? (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + l * TILE_HEADS), vinv))
-                               : _mm256_setzero_si256();
-            __m256i p1 = l + 1 < L
-                             ? (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + (l + 1) * TILE_HEADS), vinv))
-                             : _mm256_setzero_si256();
-            __m256i lo = _mm256_unpacklo_epi16(p0, p1), hi = _mm256_unpackhi_epi16(p0, p1);  /* heads 0-3 8-11 | 4-7 12-15 */
+            __m256i p0 = l < L ? probs_bf16(s + l * TILE_HEADS, vinv) : _mm256_setzero_si256();
+            __m256i p1 = l + 1 < L ? probs_bf16(s + (l + 1) * TILE_HEADS, vinv) : _mm256_setzero_si256();
+            /* (row l, row l + 1) pairs of heads 0-3 and 8-11 in lo, 4-7 and 12-15 in hi */
+            __m256i lo = _mm256_unpacklo_epi16(p0, p1), hi = _mm256_unpackhi_epi16(p0, p1);
             _mm256_storeu_si256((__m256i *)(pp + (l / 2) * 16), _mm256_permute2x128_si256(lo, hi, 0x20));
             _mm256_storeu_si256((__m256i *)(pp + (l / 2) * 16 + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
         }

@@ -11,6 +11,22 @@
 #define HAVE_AMX_BF16 0
 #endif
 
+#if HAVE_AMX_BF16
+/* Every tile 16 rows of 64 bytes (A and B operands of 16 x 32 bf16, C of 16 x 16 float32), in this thread's
+ * tile state (a core's): before the first tile instruction of a kernel; _tile_release() after its last. */
+static inline void tiles_on(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    _tile_loadconfig(&c);
+}
+#endif
+
 #ifdef __AVX512BF16__
 /* out[j][i] = in[i][j] for 16 x 16 32-bit values: pairs of rows interleaved by 32 then 64 bits (within each
  * 128-bit lane), then the 4 x 4 lanes transposed */
