@@ -4,7 +4,9 @@ torch op moe_serve::mla_decode).
 
 In torch that step gathers each sequence's cache blocks, widens them to float32, and runs two bmm, a
 masked softmax and a concatenation per layer; the kernel reads each cached row in place, twice (scores,
-then values). `reference` is the same computation in torch, the test oracle.
+then values). Where the bf16 products are on (`bf16_products`) the two products take bf16 operands: on
+AVX512-BF16 dot products, or in the AMX build on the AMX tiles (csrc/mla_decode_amx.cpp, 16 heads a pass, for
+a block size that is a multiple of 16). `reference` is the same computation in torch, the test oracle.
 
 Legend: B decode sequences, N heads, D = C + R cached dims per token (latent C, rope key R), M blocks per
 row of the block table, L context length.
