@@ -177,6 +177,23 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* A softmax down the rows of 8 columns (attention heads in the lanes): the scores s[l * lds + j], l < L, j < 8,
+ * times `scale` (multiplied here, then the column's max taken off, as torch rounds `(s * scale).softmax()`)
+ * become their exponentials; returns 1 / the column sums. */
+static inline __m256 softmax_lanes8(float *s, int64_t lds, int64_t L, float scale) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    __m256 mx = _mm256_loadu_ps(s);
+    for (int64_t l = 1; l < L; l++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + l * lds));
+    mx = _mm256_mul_ps(mx, vscale);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t l = 0; l < L; l++) {
+        __m256 e = exp_neg(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(s + l * lds), vscale), mx));
+        _mm256_storeu_ps(s + l * lds, e);
+        total = _mm256_add_ps(total, e);
+    }
+    return _mm256_div_ps(_mm256_set1_ps(1.0f), total);
+}
+
 /* y[m, o] = sum_k x[m, k] w[o, k]: x float32 [M, K] (row stride ldx), w [O, K], y float32 [M, O] (row stride
  * ldy). linear_bf16w.cpp; large weights are split over the threads. linear_bf16w: the same for a bf16 w
  * (row stride ldw). */

@@ -7,15 +7,13 @@
  * F.linear(x.bfloat16().float(), w.float()) (kernels/cpu_bf16w.py), which this equals up to the order of
  * float32 sums.
  *
- * The weight stays as loaded ([O, K], unit stride in K): a tile of 16 of its rows and 32 of its columns is
- * the A operand as it lies in memory. x is the B operand, which the instruction takes in pairs along K:
- * packed once per call, by all the threads, into blocks of 16 x rows, each [K / 2, 16] 32-bit (bf16, bf16)
- * pairs (one B tile a contiguous KiB: a tile of rows M apart put all 16 in one L1 set), M rounded up to 16
- * (rows of zeros), by 16 x 16 transposes in registers. A tile of C then holds y transposed (16 weight rows by
- * 16 x rows), transposed the same way into y. The x rows go in passes whose packed pairs stay in L2; in each,
- * a thread takes 32 weight rows at a time against all the pass's rows (two A tiles, two B tiles, four C
- * tiles). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and the
- * float32 kernel runs.
+ * The weight stays as loaded ([O, K], unit stride in K): a tile of 16 of its rows and 32 of its columns is the A
+ * operand as it lies in memory. x is the B operand, which the instruction takes in pairs along K: packed once per
+ * call, by all the threads, into blocks of 16 x rows of 32-bit (bf16, bf16) pairs (pack_x, pack_bf16.h: one B tile a
+ * contiguous KiB), M rounded up to 16 (rows of zeros). A tile of C then holds y transposed (16 weight rows by 16 x
+ * rows), transposed the same way into y. The x rows go in passes whose packed pairs stay in L2; in each, a thread
+ * takes 32 weight rows at a time against all the pass's rows (two A tiles, two B tiles, four C tiles). Shapes the
+ * tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and the float32 kernel runs.
  */
 #include <string.h>
 
@@ -39,10 +37,10 @@ static inline void store_transposed(const float *c, float *y, int64_t ldy, int64
     for (int64_t j = 0; j < 16 && m0 + j < M; j++) _mm512_storeu_si512(y + (m0 + j) * ldy + o0, cols[j]);
 }
 
-/* weight rows o0 .. o0 + 16 * NA (NA = 1 or 2) against rows m1 .. m2 of xp (of Mp), into y */
+/* weight rows o0 .. o0 + 16 * NA (NA = 1 or 2) against rows m1 .. m2 of xp (pack_x), into y */
 template <int NA>
-static void weight_rows(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t Mp, int64_t m1, int64_t m2,
-                        int64_t M, int64_t K, int64_t o0, float *y, int64_t ldy) {
+static void weight_rows(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t m1, int64_t m2, int64_t M,
+                        int64_t K, int64_t o0, float *y, int64_t ldy) {
     alignas(64) float c[16 * 16];
     for (int64_t m0 = m1; m0 < m2; m0 += 32) {
         int two = m2 - m0 >= 32;
@@ -91,7 +89,7 @@ int64_t set_tile_rows(int64_t rows) {
 int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                  int64_t O) {
     int64_t Mp;
-    uint32_t *xp = packed_x_for(x, ldx, w, M, K, O, tile_rows, &Mp, 0);
+    uint32_t *xp = packed_x_for(w, M, K, O, tile_rows, &Mp);
     if (!xp) return 0;
     const uint16_t *wd = (const uint16_t *)w->data;
     int64_t ldw = w->ld, blocks = (O + 31) / 32;
@@ -106,10 +104,7 @@ int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t
 #endif
     {
         tiles_on();
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (int64_t m0 = 0; m0 < Mp; m0 += 16) pack_x_rows(x, ldx, M, K, m0, xp + m0 * (K / 2), 16);
+        pack_x(x, ldx, M, Mp, K, xp);  /* by all the threads */
         for (int64_t m1 = 0; m1 < Mp; m1 += pass) {
             int64_t m2 = Mp - m1 < pass ? Mp : m1 + pass;
 #ifdef _OPENMP
@@ -117,9 +112,9 @@ int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t
 #endif
             for (int64_t b = 0; b < blocks; b++) {
                 if (O - 32 * b >= 32)
-                    weight_rows<2>(wd, ldw, xp, Mp, m1, m2, M, K, 32 * b, y, ldy);
+                    weight_rows<2>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy);
                 else
-                    weight_rows<1>(wd, ldw, xp, Mp, m1, m2, M, K, 32 * b, y, ldy);
+                    weight_rows<1>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy);
             }
         }
         _tile_release();

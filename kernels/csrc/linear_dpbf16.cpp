@@ -7,17 +7,15 @@
  * one vdpbf16ps does 32. The reference is F.linear(x.bfloat16().float(), w.float()) (kernels/cpu_bf16w.py),
  * which this equals up to the order of float32 sums.
  *
- * x is packed once per call, by all the threads, into blocks of 16 rows, each [K / 2, 16] (bf16, bf16) pairs
- * along K (pack_bf16.h), so 16 x rows' pairs at one k lie in one vector and a block's vectors follow one another
- * (x as one [K / 2, M] array put the vectors of successive k M x 4 bytes apart: at M = 2048, all in one L1
- * set); the weight stays as loaded ([O, K]): its pair (w[o, 2kp], w[o, 2kp + 1]) is one 32-bit value,
- * broadcast to all lanes. A step of the inner loop multiplies 8 weight rows by up to 48
- * x rows (24 accumulators of 16 lanes: lane j holds y[m0 + 16i + j, o0 + o]), or 16 weight rows by the last 16
- * (decode batches of 16: twice the sums in flight); the next group of weight rows is prefetched meanwhile.
- * Each thread takes 32 weight rows at a time against all of x, 48 x rows at a time, their 48 x 32 outputs
- * gathered in a buffer and copied into y a row at a time (stored straight into y, the scattered columns cost
- * up to half the time where y rows are long). Shapes that this does not cover (O not a multiple of 16, K not
- * one of 32, FP8 weights) return 0 and the float32 kernel runs.
+ * x is packed once per call, by all the threads, into blocks of 16 rows of (bf16, bf16) pairs along K (pack_x,
+ * pack_bf16.h), so 16 x rows' pairs at one k lie in one vector; the weight stays as loaded ([O, K]): its pair (w[o,
+ * 2kp], w[o, 2kp + 1]) is one 32-bit value, broadcast to all lanes. A step of the inner loop multiplies 8 weight rows
+ * by up to 48 x rows (24 accumulators of 16 lanes: lane j holds y[m0 + 16i + j, o0 + o]), or 16 weight rows by the
+ * last 16 (decode batches of 16: twice the sums in flight); the next group of weight rows is prefetched meanwhile.
+ * Each thread takes 32 weight rows at a time against all of x, 48 x rows at a time, their 48 x 32 outputs gathered in
+ * a buffer and copied into y a row at a time (stored straight into y, the scattered columns cost up to half the time
+ * where y rows are long). Shapes that this does not cover (O not a multiple of 16, K not one of 32, FP8 weights)
+ * return 0 and the float32 kernel runs.
  */
 #include <string.h>
 
@@ -67,7 +65,7 @@ int64_t set_tile_rows(int64_t rows) {
 int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                  int64_t O) {
     int64_t Mp;
-    uint32_t *xp = packed_x_for(x, ldx, w, M, K, O, dp_rows, &Mp, 0);
+    uint32_t *xp = packed_x_for(w, M, K, O, dp_rows, &Mp);
     if (!xp) return 0;
     const uint16_t *wd = (const uint16_t *)w->data;
     int64_t ldw = w->ld, blocks = (O + 31) / 32;
@@ -77,10 +75,7 @@ int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t
 #pragma omp parallel num_threads(nt) if (nt > 1 && blocks > 1 && O * K >= PARALLEL_MIN_WEIGHTS)
 #endif
     {
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (int64_t m0 = 0; m0 < Mp; m0 += 16) pack_x_rows(x, ldx, M, K, m0, xp + m0 * (K / 2), 16);
+        pack_x(x, ldx, M, Mp, K, xp);  /* by all the threads */
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif

@@ -79,25 +79,9 @@ int mla_seq_tiles(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t
             }
             _tile_stored(0, s + l0 * TILE_HEADS, TILE_HEADS * 4);
         }
-        /* softmax over the context per head (the heads in the lanes), then (p[l], p[l + 1]) pairs in bf16 */
-        const __m256 vscale = _mm256_set1_ps(scale);
-        __m256 mx[2], total[2];
-        for (int h = 0; h < 2; h++) {
-            mx[h] = _mm256_loadu_ps(s + 8 * h);
-            for (int64_t l = 1; l < L; l++) mx[h] = _mm256_max_ps(mx[h], _mm256_loadu_ps(s + l * TILE_HEADS + 8 * h));
-            mx[h] = _mm256_mul_ps(mx[h], vscale);
-            total[h] = _mm256_setzero_ps();
-        }
-        for (int64_t l = 0; l < L; l++)
-            for (int h = 0; h < 2; h++) {
-                float *sl = s + l * TILE_HEADS + 8 * h;
-                /* scaled, then the max taken off, as the reference rounds */
-                __m256 e = exp_neg(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(sl), vscale), mx[h]));
-                _mm256_storeu_ps(sl, e);
-                total[h] = _mm256_add_ps(total[h], e);
-            }
+        /* softmax over the context per head (8 heads in the lanes at a time), then (p[l], p[l + 1]) pairs in bf16 */
         alignas(64) float inv16[TILE_HEADS];
-        for (int h = 0; h < 2; h++) _mm256_store_ps(inv16 + 8 * h, _mm256_div_ps(_mm256_set1_ps(1.0f), total[h]));
+        for (int h = 0; h < 2; h++) _mm256_store_ps(inv16 + 8 * h, softmax_lanes8(s + 8 * h, TILE_HEADS, L, scale));
         const __m512 vinv = _mm512_load_ps(inv16);
         for (int64_t l = 0; l < L32; l += 2) {
             __m256i p0 = l < L ? probs_bf16(s + l * TILE_HEADS, vinv) : _mm256_setzero_si256();

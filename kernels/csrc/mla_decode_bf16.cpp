@@ -133,16 +133,7 @@ static void heads_dpbf16(const uint16_t *qh, const uint16_t *cache, int64_t bs, 
         }
         _mm512_storeu_ps(s + l * DP_HEADS, _mm512_mul_ps(sum16x16(sum), vscale));  /* rows l, l + 1 */
     }
-    /* softmax over the context, the heads in the lanes */
-    __m256 mx = _mm256_loadu_ps(s);
-    for (int64_t l = 1; l < L; l++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + l * DP_HEADS));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t l = 0; l < L; l++) {
-        __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + l * DP_HEADS), mx));
-        _mm256_storeu_ps(s + l * DP_HEADS, e);
-        total = _mm256_add_ps(total, e);
-    }
-    __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), total);
+    __m256 inv = softmax_lanes8(s, DP_HEADS, L, 1.0f);  /* over the context (the scores are scaled already) */
     for (int64_t l = 0; l < L; l += 2) {  /* (p[l], p[l + 1]) as bf16 pairs, per head */
         __m128i p0 = (__m128i)_mm256_cvtneps_pbh(_mm256_mul_ps(_mm256_loadu_ps(s + l * DP_HEADS), inv));
         __m128i p1 = _mm_setzero_si128();

@@ -53,10 +53,9 @@ static inline void transpose16(const __m512i *in, __m512i *out) {
     }
 }
 
-/* out[kp * ld + i] = (bf16(x[m0 + i, 2kp]), bf16(x[m0 + i, 2kp + 1])) for i < 16 (zeros where m0 + i >= M): 16
+/* out[kp * 16 + i] = (bf16(x[m0 + i, 2kp]), bf16(x[m0 + i, 2kp + 1])) for i < 16 (zeros where m0 + i >= M): 16
  * rows by 32 columns of x at a time, converted (16 pairs a row) and transposed. */
-static inline void pack_x_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t m0, uint32_t *out,
-                               int64_t ld) {
+static inline void pack_x_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t m0, uint32_t *out) {
     __m512i rows[16], cols[16];
     for (int64_t k = 0; k < K; k += 32) {
         for (int i = 0; i < 16; i++) {
@@ -65,22 +64,28 @@ static inline void pack_x_rows(const float *x, int64_t ldx, int64_t M, int64_t K
                                  : _mm512_setzero_si512();
         }
         transpose16(rows, cols);
-        for (int c = 0; c < 16; c++) _mm512_storeu_si512(out + (k / 2 + c) * ld, cols[c]);
+        for (int c = 0; c < 16; c++) _mm512_storeu_si512(out + (k / 2 + c) * 16, cols[c]);
     }
 }
 
 /* The shared start of a bf16 product: NULL where the bf16 kernels do not take it (off, fewer than min_rows
- * rows, an FP8 weight, K not a multiple of 32, O not one of 16) or memory ran out; else room for x packed in
- * this thread's scratch, with *Mp = M rounded up to 16; where `pack` is set, packed as xp[kp, m] (row stride
- * Mp) by pack_x_rows. */
-static inline uint32_t *packed_x_for(const float *x, int64_t ldx, const Weight *w, int64_t M, int64_t K, int64_t O,
-                                     int64_t min_rows, int64_t *Mp, int pack = 1) {
+ * rows, an FP8 weight, K not a multiple of 32, O not one of 16) or memory ran out; else room in this thread's
+ * scratch for x packed by pack_x (K / 2 x Mp pairs), with *Mp = M rounded up to 16. */
+static inline uint32_t *packed_x_for(const Weight *w, int64_t M, int64_t K, int64_t O, int64_t min_rows, int64_t *Mp) {
     if (!min_rows || M < min_rows || w->scale || K % 32 || O % 16) return NULL;
     *Mp = (M + 15) & ~(int64_t)15;
-    uint32_t *xp = (uint32_t *)thread_scratch((size_t)(K / 2) * (size_t)*Mp * 4);
-    if (xp && pack)
-        for (int64_t m0 = 0; m0 < *Mp; m0 += 16) pack_x_rows(x, ldx, M, K, m0, xp + m0, *Mp);
-    return xp;
+    return (uint32_t *)thread_scratch((size_t)(K / 2) * (size_t)*Mp * 4);
+}
+
+/* x packed into xp in blocks of 16 rows, each [K / 2, 16] pairs (block m0 / 16 at xp + m0 K / 2), so that the
+ * 16 rows' pairs at one k are one vector and a block's vectors follow one another (one [K / 2, Mp] array put
+ * the vectors of successive k Mp x 4 bytes apart: at Mp = 2048, all in one L1 set). Called inside a parallel
+ * region, the threads share the blocks (an orphaned `omp for`, with its barrier); outside one, one thread. */
+static inline void pack_x(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xp) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t m0 = 0; m0 < Mp; m0 += 16) pack_x_rows(x, ldx, M, K, m0, xp + m0 * (K / 2));
 }
 #endif
 #endif
