@@ -205,7 +205,8 @@ def moe_spec(ckpt: Path, args: argparse.Namespace, name: str = "moe", venv: Path
                 "torch": bench._version("torch"), "triton": bench._version("triton")}
     if name != "moe":
         versions = {"venv": str(venv), "git_commit": bench.git_commit(_checkout_of(venv)), "checkpoint": str(ckpt)}
-    return EngineSpec(name, cmd, parse_env(args.moe_env), "/ready", port, versions)
+    env = args.moe_base_env if name != "moe" and args.moe_base_env is not None else args.moe_env
+    return EngineSpec(name, cmd, parse_env(env), "/ready", port, versions)
 
 
 def _checkout_of(venv: Path) -> Path:
@@ -579,6 +580,7 @@ def main() -> int:
     ap.add_argument("--startup-timeout-s", type=float, default=300.0, help="vLLM compiles on its first start")
     ap.add_argument("--moe-args", default=MOE_ARGS)
     ap.add_argument("--moe-env", default=MOE_ENV, help="e.g. 'OMP_NUM_THREADS=2'")
+    ap.add_argument("--moe-base-env", default=None, help="moe-base's environment (default --moe-env)")
     ap.add_argument("--vllm-args", default=VLLM_ARGS)
     ap.add_argument("--vllm-env", default=VLLM_ENV)
     ap.add_argument("--vllm-auto-env", default=VLLM_AUTO_ENV)
