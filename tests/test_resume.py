@@ -86,3 +86,13 @@ def test_stream_keeps_alive_while_no_engine_is_attached():
     assert '"code": 503' in got[-2] and got[-1] == "data: [DONE]\n\n"
     Client.alive = True  # an engine attached but slow: no comments
     assert asyncio.run(collect(False)) == ["data: 1\n\n", "data: 2\n\n"]
+
+    async def broken():
+        yield "data: 1\n\n"
+        raise RuntimeError("the stream broke")
+
+    async def collect_broken() -> list[str]:
+        return [c async for c in serving._keep_alive(broken())]
+
+    with pytest.raises(RuntimeError, match="the stream broke"):  # any other error reaches the response
+        asyncio.run(collect_broken())
