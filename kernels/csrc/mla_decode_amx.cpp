@@ -65,19 +65,34 @@ int mla_seq_tiles(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t
     for (int64_t n0 = 0; n0 < N; n0 += TILE_HEADS) {
         int64_t nh = N - n0 < TILE_HEADS ? N - n0 : TILE_HEADS;
         pack_q(qb + n0 * ldq_n, ldq_n, nh, D, qp);
-        /* scores: 16 cached rows (one block's) at a time; rows past L give sums never read */
-        for (int64_t l0 = 0; l0 < L; l0 += 16) {
-            const uint16_t *rows = cache + (table[l0 / bs] * bs + l0 % bs) * D;
-            const uint16_t *next = l0 + 16 < L ? cache + (table[(l0 + 16) / bs] * bs + (l0 + 16) % bs) * D : NULL;
+        /* scores: 32 cached rows at a time, as two groups of 16 (each within one block) into two C tiles, so that
+         * two chains of tile multiplies overlap and q's tile is loaded once for both; rows past L give sums
+         * never read. The next 32 rows are prefetched as the two runs of memory they are. */
+        for (int64_t l0 = 0; l0 < L; l0 += 32) {
+            const uint16_t *rows0 = cache + (table[l0 / bs] * bs + l0 % bs) * D;
+            const uint16_t *rows1 = l0 + 16 < L ? cache + (table[(l0 + 16) / bs] * bs + (l0 + 16) % bs) * D : NULL;
+            const char *next0 = l0 + 32 < L ? (const char *)(cache + (table[(l0 + 32) / bs] * bs + (l0 + 32) % bs) * D)
+                                            : NULL;
+            const char *next1 = l0 + 48 < L ? (const char *)(cache + (table[(l0 + 48) / bs] * bs + (l0 + 48) % bs) * D)
+                                            : NULL;
             _tile_zero(0);
+            _tile_zero(3);
             for (int64_t d = 0; d < D; d += 32) {
-                if (next)  /* the next rows' same columns: blocks lie anywhere, where no hardware prefetcher follows */
-                    for (int r = 0; r < 16; r++) _mm_prefetch((const char *)(next + r * D + d), _MM_HINT_T0);
-                _tile_loadd(1, rows + d, D * 2);
+                /* 16 rows of D bf16 are 16 D / 32 lines: D / 32 steps of 16 lines each */
+                if (next0)
+                    for (int i = 0; i < 16; i++) _mm_prefetch(next0 + (d / 2 + i) * 64, _MM_HINT_T0);
+                if (next1)
+                    for (int i = 0; i < 16; i++) _mm_prefetch(next1 + (d / 2 + i) * 64, _MM_HINT_T0);
                 _tile_loadd(2, qp + (d / 32) * 256, 64);
+                _tile_loadd(1, rows0 + d, D * 2);
                 _tile_dpbf16ps(0, 1, 2);
+                if (rows1) {
+                    _tile_loadd(4, rows1 + d, D * 2);
+                    _tile_dpbf16ps(3, 4, 2);
+                }
             }
             _tile_stored(0, s + l0 * TILE_HEADS, TILE_HEADS * 4);
+            if (rows1) _tile_stored(3, s + (l0 + 16) * TILE_HEADS, TILE_HEADS * 4);
         }
         /* softmax over the context per head (8 heads in the lanes at a time), then (p[l], p[l + 1]) pairs in bf16 */
         alignas(64) float inv16[TILE_HEADS];
