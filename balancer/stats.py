@@ -4,9 +4,9 @@ Shape legend (as in balancer/placement.py): W = window steps, L = MoE layers, E 
 R = physical slots, G = expert-parallel ranks, K = experts per token, T = tokens in a step.
 
 The MoE blocks call `record(layer, topk_ids_TK)` during the forward pass; the engine loop calls
-`end_step()` after each engine step. Counting is one scatter-add per MoE layer per step on the device
-that holds `topk_ids_TK` (a bincount that, unlike `torch.bincount` on CUDA, never reads the maximum back
-to the host), so recording adds no host sync; counts come to the CPU only in `snapshot()`.
+`end_step()` after each engine step. Counting is one scatter-add per step for all MoE layers, when the step
+closes, on the device that holds `topk_ids_TK` (a bincount that, unlike `torch.bincount` on CUDA, never reads
+the maximum back to the host), so recording adds no host sync; counts come to the CPU only in `snapshot()`.
 
 Three views of the same counts:
     window  the last W completed steps (a ring buffer of per-step count tensors)
@@ -92,6 +92,7 @@ class ExpertLoadRecorder:
         self._alloc_slot_counts()
         self._measured_slots = False  # set once a caller passes the slot ids it used
         self._ones = torch.ones(256, dtype=torch.int64, device=self.device)
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # this step's record() calls
         self._coact_step_LEE = self._coact_total_LEE = None  # co-activation, once enable_coactivation() is called
         self._pos = 0  # ring row the next completed step goes to
         self.steps_total = 0
@@ -129,17 +130,34 @@ class ExpertLoadRecorder:
         return LayerLoadSink(self, layer)
 
     def record(self, layer: int, topk_ids_TK: torch.Tensor, phy_ids_TK: torch.Tensor | None = None) -> None:
-        ids = topk_ids_TK.reshape(-1).long()
-        if self._ones.numel() < ids.numel():  # the values to add, one per id: kept between calls
-            self._ones = torch.ones(max(ids.numel(), 2 * self._ones.numel()), dtype=torch.int64, device=self.device)
-        ones = self._ones[:ids.numel()]
-        self._step_LE[layer].index_add_(0, ids, ones)
-        if self._coact_step_LEE is not None and topk_ids_TK.dim() == 2:
-            coactivation(topk_ids_TK, self.num_experts, out_EE=self._coact_step_LEE[layer])
-        if phy_ids_TK is not None:
+        """Count layer `layer`'s routing of this step; the ids are read when the step closes (`end_step`), so the
+        caller must not change them in place before then."""
+        self._pending.append((layer, topk_ids_TK, phy_ids_TK))
+
+    def _count_pending(self) -> None:
+        """The step's routing, every layer at once: one scatter-add into the step's expert counts and one into
+        its slot counts (a scatter-add per layer cost about 50 us of Python and dispatch on a CPU)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        E, R = self.num_experts, self.num_slots
+        ids = torch.cat([t.reshape(-1).long() + layer * E for layer, t, _ in pending])
+        self._step_LE.view(-1).index_add_(0, ids, self._ones_for(ids.numel()))
+        if self._coact_step_LEE is not None:
+            for layer, t, _ in pending:
+                if t.dim() == 2:
+                    coactivation(t, self.num_experts, out_EE=self._coact_step_LEE[layer])
+        slots = [p.reshape(-1).long() + layer * R for layer, _, p in pending if p is not None]
+        if slots:
             self._measured_slots = True
-            slots = ids if phy_ids_TK is topk_ids_TK else phy_ids_TK.reshape(-1).long()
-            self._step_LR[layer].index_add_(0, slots, ones)
+            slot_ids = torch.cat(slots)
+            self._step_LR.view(-1).index_add_(0, slot_ids, self._ones_for(slot_ids.numel()))
+
+    def _ones_for(self, n: int) -> torch.Tensor:
+        """n ones to scatter-add, from a buffer kept between steps."""
+        if self._ones.numel() < n:
+            self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int64, device=self.device)
+        return self._ones[:n]
 
     def _alloc_slot_counts(self) -> None:
         L, R, dev = self.num_layers, self.num_slots, self.device
@@ -151,6 +169,7 @@ class ExpertLoadRecorder:
     # ---- between steps -------------------------------------------------------------------------------
     def end_step(self) -> None:
         """Close the step: move its counts into the ring (dropping the oldest step) and the totals."""
+        self._count_pending()
         pairs = [(self._step_LE, self._ring_WLE, self._total_LE, self._record_LE)]
         if self._measured_slots:
             pairs.append((self._step_LR, self._ring_WLR, self._total_LR, self._record_LR))
@@ -185,6 +204,7 @@ class ExpertLoadRecorder:
     def discard_step(self) -> None:
         """Close a step that must not count (a dummy batch of a DP rank with no work): its counts are dropped and
         the window keeps its real steps."""
+        self._pending = []
         self._step_LE.zero_()
         if self._measured_slots:
             self._step_LR.zero_()
@@ -193,6 +213,7 @@ class ExpertLoadRecorder:
 
     def reset(self) -> None:
         """Forget everything recorded so far (the server calls it after its warm-up generation)."""
+        self._pending = []
         for t in (self._step_LE, self._ring_WLE, self._total_LE, self._record_LE, self._step_LR, self._ring_WLR,
                   self._total_LR, self._record_LR, self._coact_step_LEE, self._coact_total_LEE):
             if t is not None:
