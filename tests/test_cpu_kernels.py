@@ -78,6 +78,30 @@ def test_mla_decode_on_the_bf16_products(lens, bs, N, C, R, float32_products):
     assert (out_TNC[1::2] == 7).all()
 
 
+@pytest.mark.skipif(not cpu_build.tile_rows(), reason="no bf16 products here (the AVX512-BF16 or AMX build)")
+@pytest.mark.parametrize("N,bs", [(8, 16), (3, 32), (8, 4)])
+def test_mla_decode_rows_of_one_prompt_equal_each_row_alone(N, bs, float32_products):
+    """The query rows of one prompt chunk (one block table, contexts 1 apart) give what each row gives alone:
+    the AMX build takes two such rows a pass where there are at most 8 heads (blocks of 16 rows or more),
+    which must change no product. A second sequence, a row with no context and one that ends a block sit
+    among them."""
+    C, R = 64, 32
+    cache, tables1, _ = _paged_cache([70, 40], bs, C + R, seed=N + bs)
+    lens = [60, 61, 62, 63, 64, 65, 0, 40, 66, 67, 68]
+    seq = [0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+    tables = tables1[torch.tensor(seq)]
+    lens_B = torch.tensor(lens)
+    q = torch.randn(len(lens), N, C + R, generator=torch.Generator().manual_seed(5)) * 0.3
+    scale = (C + R) ** -0.5
+    cpu_build.tile_rows(cpu_build.TILE_ROWS)
+    out = cpu_mla.mla_decode(q, cache, tables, lens_B, C, scale)
+    for b in range(len(lens)):
+        alone = cpu_mla.mla_decode(q[b:b + 1], cache, tables[b:b + 1], lens_B[b:b + 1], C, scale)
+        assert torch.equal(out[b], alone[0]), b
+    want = cpu_mla.reference(q, cache, tables, lens_B, C, scale, bf16_products=True)
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+
+
 @needs_kernels
 def test_mla_decode_strided_queries_and_peaked_softmax():
     cache, tables, lens_B = _paged_cache([40, 3], 8, 72, seed=3)

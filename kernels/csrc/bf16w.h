@@ -230,10 +230,12 @@ void linear_w_batched(const float *x, int64_t ldx, int64_t bsx, const Weight *w,
 int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
                         const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
                         int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale, const int64_t *qrows);
-/* One sequence of mla_decode_bf16 on AMX tiles (mla_decode_amx.cpp): 1 when it ran, 0 where it does not apply,
- * -1 when out of scratch memory. */
-int mla_seq_tiles(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D, const int64_t *table,
-                  int64_t L, float *ob, int64_t ldo_n, int64_t N, int64_t C, float scale);
+/* One sequence of mla_decode_bf16 on AMX tiles (mla_decode_amx.cpp), or two queries of one context in one pass
+ * (qb2 not NULL, N <= 8; table covers the longer of L1, L2): 1 when it ran, 0 where it does not apply, -1 when out
+ * of scratch memory. */
+int mla_seq_tiles(const float *qb, const float *qb2, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
+                  const int64_t *table, int64_t L1, int64_t L2, float *ob, float *ob2, int64_t ldo_n, int64_t N,
+                  int64_t C, float scale);
 int64_t moe_w(const float *x, int64_t ldx, int64_t T, int64_t H, const Weight *w13, const Weight *w2, int64_t E,
               int64_t I, const int64_t *ids, const float *wts, int64_t K, float *out, const Weight *sw13, int64_t Is,
               const Weight *sw2);

@@ -229,6 +229,38 @@ static int seq_f32(const float *qb, int64_t ldq_n, const uint16_t *cache, int64_
     return 0;
 }
 
+/* Whether sequences b and c read the same cached rows over the shorter of their contexts (the query rows of one
+ * prompt chunk: one block table, contexts one apart), so that one pass of the AMX tiles can take both. */
+static int same_context(const int64_t *tables, int64_t ld_t, const int64_t *lens, int64_t bs, int64_t b, int64_t c) {
+    int64_t L = lens[b] < lens[c] ? lens[b] : lens[c];
+    return L > 0 && !memcmp(tables + b * ld_t, tables + c * ld_t, (size_t)((L + bs - 1) / bs) * sizeof(int64_t));
+}
+
+/* Sequence b alone: 0, or -1 when scratch memory could not be had */
+static int one_seq(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
+                   const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b, int64_t ldo_n,
+                   int64_t b, int64_t N, int64_t C, float scale, const int64_t *qrows, bool dp) {
+    int64_t row = qrows ? qrows[b] : b, L = lens[b];
+    const float *qb = q + row * ldq_b;
+    float *ob = out + row * ldo_b;
+    const int64_t *table = tables + b * ld_t;
+    if (L <= 0) {
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
+        return 0;
+    }
+#ifdef __AVX512BF16__
+    if (dp) {  /* on AMX tiles where they take it, else on the dot products */
+        int tiles = mla_seq_tiles(qb, NULL, ldq_n, cache, bs, D, table, L, 0, ob, NULL, ldo_n, N, C, scale);
+        return tiles < 0 || (tiles == 0 && seq_dpbf16(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale)) ? -1
+                                                                                                                : 0;
+    }
+#else
+    (void)dp;
+#endif
+    return seq_f32(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale);
+}
+
 int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t *cache, int64_t bs, int64_t D,
                      const int64_t *tables, int64_t ld_t, const int64_t *lens, float *out, int64_t ldo_b,
                      int64_t ldo_n, int64_t B, int64_t N, int64_t C, float scale, const int64_t *qrows) {
@@ -237,32 +269,44 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
 #else
     const bool dp = false;
 #endif
-    (void)dp;
+    /* Work units: a sequence, or, where the AMX tiles run with at most 8 heads (half a tile's columns), two
+     * sequences of one context in one pass (unit = 2 b + 1; else 2 b) */
+    const bool pairs = dp && N <= 8 && bs % 16 == 0 && B > 1;
+    int64_t *units = pairs ? (int64_t *)malloc((size_t)B * sizeof(int64_t)) : NULL;
+    int64_t U = 0;
+    if (units)
+        for (int64_t b = 0; b < B; b++) {
+            int two = b + 1 < B && same_context(tables, ld_t, lens, bs, b, b + 1);
+            units[U++] = 2 * b + two;
+            b += two;
+        }
+    else
+        U = B;
     int64_t failed = 0;
     int nt = threads_for_region();
     (void)nt;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && B > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && U > 1)
 #endif
-    for (int64_t b = 0; b < B; b++) {
-        int64_t row = qrows ? qrows[b] : b, L = lens[b];
-        const float *qb = q + row * ldq_b;
-        float *ob = out + row * ldo_b;
-        const int64_t *table = tables + b * ld_t;
-        if (L <= 0) {
-            for (int64_t n = 0; n < N; n++)
-                for (int64_t c = 0; c < C; c++) ob[n * ldo_n + c] = 0.0f;
-            continue;
-        }
-#ifdef __AVX512BF16__
-        if (dp) {  /* on AMX tiles where they take it, else on the dot products */
-            int tiles = mla_seq_tiles(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale);
-            if (tiles < 0 || (tiles == 0 && seq_dpbf16(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale)))
+    for (int64_t u = 0; u < U; u++) {
+        int64_t b = units ? units[u] / 2 : u, c = b + 1;
+        if (!units || units[u] % 2 == 0) {
+            if (one_seq(q, ldq_b, ldq_n, cache, bs, D, tables, ld_t, lens, out, ldo_b, ldo_n, b, N, C, scale, qrows,
+                        dp))
                 failed = 1;
             continue;
         }
-#endif
-        if (seq_f32(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale)) failed = 1;
+        /* the pass reads the longer context's table (the same blocks as the shorter one's, as far as it goes) */
+        const int64_t *table = tables + (lens[c] > lens[b] ? c : b) * ld_t;
+        int64_t rb = qrows ? qrows[b] : b, rc = qrows ? qrows[c] : c;
+        int tiles = mla_seq_tiles(q + rb * ldq_b, q + rc * ldq_b, ldq_n, cache, bs, D, table, lens[b], lens[c],
+                                  out + rb * ldo_b, out + rc * ldo_b, ldo_n, N, C, scale);
+        if (tiles < 0 || (tiles == 0 && (one_seq(q, ldq_b, ldq_n, cache, bs, D, tables, ld_t, lens, out, ldo_b, ldo_n,
+                                                 b, N, C, scale, qrows, dp) ||
+                                         one_seq(q, ldq_b, ldq_n, cache, bs, D, tables, ld_t, lens, out, ldo_b, ldo_n,
+                                                 c, N, C, scale, qrows, dp))))
+            failed = 1;
     }
+    free(units);
     return failed ? -1 : 0;
 }
