@@ -161,6 +161,14 @@ def tile_rows(rows: int | None = None) -> int:
     return torch.ops.moe_serve.set_tile_rows(-1 if rows is None else max(0, rows))
 
 
+def expert_tile_rows() -> int:
+    """The fewest rows of a routed expert's products that take the tiles (at most tile_rows(); 8 in the AMX
+    build, where a product of 8-15 rows by an expert's weight is faster on the tiles on one core; 0: none)."""
+    if not available() or isa() not in TILE_ISAS:
+        return 0
+    return torch.ops.moe_serve.expert_tile_rows()
+
+
 def available() -> bool:
     """Whether the kernels run here (built on the first call)."""
     return unavailable_reason() is None

@@ -95,25 +95,27 @@ def test_tiles_round_x_to_bf16_and_sum_in_float32(rows, K, O, float32_products):
 
 @needs_tiles
 def test_tiles_in_the_experts(float32_products):
-    """The fused experts take the tiles per expert with 16+ rows: x rounded to bf16 for w13, the float32
-    SiLU product rounded for w2; an expert with fewer rows stays float32."""
+    """The fused experts take the tiles per expert with expert_tile_rows+ rows (16; 8 in the AMX build): x
+    rounded to bf16 for w13, the float32 SiLU product rounded for w2; an expert with fewer rows stays float32."""
     from moe_serve.kernels import cpu_moe
 
     torch.manual_seed(0)
     T, H, I = 40, 64, 32
     x = torch.randn(T, H)
     w13, w2 = (torch.randn(3, 2 * I, H) / 8).bfloat16(), (torch.randn(3, H, I) / 6).bfloat16()
-    ids = torch.tensor([0] * 22 + [1] * 15 + [2] * 3).unsqueeze(1)  # 22 rows: tiles; 15 and 3: float32
+    ids = torch.tensor([0] * 22 + [1] * 15 + [2] * 3).unsqueeze(1)  # 22 rows: tiles; 3: float32; 15: by build
     weights = torch.rand(T, 1)
     want = torch.empty(T, H)
+    cpu_build.tile_rows(cpu_build.TILE_ROWS)
+    least = cpu_build.expert_tile_rows()
+    assert 0 < least <= cpu_build.TILE_ROWS
     for e in range(3):
         rows = (ids[:, 0] == e).nonzero().flatten()
-        xe = x[rows].bfloat16().float() if len(rows) >= 16 else x[rows]
+        xe = x[rows].bfloat16().float() if len(rows) >= least else x[rows]
         g, u = torch.nn.functional.linear(xe, w13[e].float()).chunk(2, dim=-1)
         h = torch.nn.functional.silu(g) * u
-        h = h.bfloat16().float() if len(rows) >= 16 else h
+        h = h.bfloat16().float() if len(rows) >= least else h
         want[rows] = torch.nn.functional.linear(h, w2[e].float()) * weights[rows]
-    cpu_build.tile_rows(cpu_build.TILE_ROWS)
     torch.testing.assert_close(cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids), want, rtol=1e-4, atol=1e-5)
 
 

@@ -205,6 +205,11 @@ void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, f
  * now in effect (0 where the build or the OS gives no tiles); rows < 0 only reads them. */
 int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K, int64_t O);
 int64_t set_tile_rows(int64_t rows);
+/* linear_tiles from min_rows rows (0: never); expert_tile_rows: the rows from which a routed or shared expert's
+ * products take the tiles (at most set_tile_rows', 0 where the tiles are off) */
+int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
+                     int64_t O, int64_t min_rows);
+int64_t expert_tile_rows(void);
 /* Rows o0 .. o0 + O of an FP8 weight against MB <= 8 rows of x, into y[:, 0..O) (linear_fp8w.cpp). */
 void fp8w_block(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
                 int64_t K, int64_t O);

@@ -52,11 +52,19 @@ static inline void add_scaled(float *o, const float *y, float w, int64_t H) {
 }
 
 /* y [R, H] = w2 (silu(gate) * up) with gate | up = w13 x for R rows of x (row stride ldx); h [R, 2I] scratch */
+/* An expert's product: on the tiles from min_rows rows, else as any linear */
+static inline void expert_linear(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M,
+                                 int64_t K, int64_t O, int64_t min_rows) {
+    if (!linear_tiles_min(x, ldx, w, y, ldy, M, K, O, min_rows)) linear_w(x, ldx, w, y, ldy, M, K, O);
+}
+
+/* min_rows: a routed expert's products take the tiles from expert_tile_rows() rows (the rows an expert gets
+ * depend on the batch anyway); the shared expert's, as every linear of the tokens, from set_tile_rows' */
 static inline void expert_rows(const float *x, int64_t ldx, int64_t R, int64_t H, const Weight *w13,
-                               const Weight *w2, int64_t I, float *h, float *y) {
-    linear_w(x, ldx, w13, h, 2 * I, R, H, 2 * I);
+                               const Weight *w2, int64_t I, float *h, float *y, int64_t min_rows) {
+    expert_linear(x, ldx, w13, h, 2 * I, R, H, 2 * I, min_rows);
     silu_and_mul(h, R, I);
-    linear_w(h, 2 * I, w2, y, H, R, I, H);
+    expert_linear(h, 2 * I, w2, y, H, R, I, H, min_rows);
 }
 
 /* The sorted pairs and the work list of one call, shared by the threads */
@@ -73,14 +81,14 @@ static int64_t run_item(const Work *w, int64_t it, float *xg, float *h, float *y
     int64_t e = w->item_e[it], r0 = w->item_r[it], H = w->H;
     if (e < 0) {
         int64_t R = w->T - r0 < SHARED_CHUNK ? w->T - r0 : SHARED_CHUNK;
-        expert_rows(w->x + r0 * w->ldx, w->ldx, R, H, w->sw13, w->sw2, w->Is, h, y);
+        expert_rows(w->x + r0 * w->ldx, w->ldx, R, H, w->sw13, w->sw2, w->Is, h, y, set_tile_rows(-1));
         return R;
     }
     int64_t R = w->start[e + 1] - r0 < CHUNK ? w->start[e + 1] - r0 : CHUNK;
     for (int64_t r = 0; r < R; r++)
         memcpy(xg + r * H, w->x + (w->order[r0 + r] / w->K) * w->ldx, H * sizeof(float));
     Weight w13 = weight_at(*w->w13, e), w2 = weight_at(*w->w2, e);
-    expert_rows(xg, H, R, H, &w13, &w2, w->I, h, y);
+    expert_rows(xg, H, R, H, &w13, &w2, w->I, h, y, expert_tile_rows());
     return R;
 }
 

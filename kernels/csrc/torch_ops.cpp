@@ -447,6 +447,7 @@ TORCH_LIBRARY(moe_serve, m) {
     m.def("causal_softmax(Tensor(a!) scores, int per, int seen0) -> ()");
     m.def("values_t(Tensor v, Tensor(a!) out) -> ()");
     m.def("set_tile_rows(int rows) -> int", &set_tile_rows);
+    m.def("expert_tile_rows() -> int", &expert_tile_rows);
     m.def("decode_layer(Tensor(a!) x, Tensor?[] weights, int[] config, float[] scalars, Tensor cos, Tensor sin, "
           "Tensor(b!) kv_cache, Tensor slots, Tensor rows, Tensor block_tables, Tensor context_lens, "
           "Tensor(c!)? ids) -> ()");
