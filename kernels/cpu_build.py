@@ -45,7 +45,7 @@ AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
 # library name, "avx512bf16"). "Tiles" below means either.
 AVX512BF16_CPU_FLAGS = AVX512_CPU_FLAGS + ("avx512_bf16",)
 AVX512BF16_FLAGS = ["-mavx512bf16"]
-TILE_ROWS = 16
+TILE_ROWS = 16  # a routed expert's products from fewer in the AMX build (expert_tile_rows, csrc/linear_amx.cpp)
 TILE_ISAS = ("amx", "avx512bf16")  # the builds whose products of TILE_ROWS+ rows are bf16
 # With OpenMP the library needs libgomp.so.1, which resolves to the copy torch has already loaded: one
 # thread pool for torch and these kernels, sized by torch.set_num_threads. Without it, one thread.
