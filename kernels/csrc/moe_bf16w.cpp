@@ -51,14 +51,14 @@ static inline void add_scaled(float *o, const float *y, float w, int64_t H) {
     for (; c < H; c++) o[c] += w * y[c];
 }
 
-/* y [R, H] = w2 (silu(gate) * up) with gate | up = w13 x for R rows of x (row stride ldx); h [R, 2I] scratch */
 /* An expert's product: on the tiles from min_rows rows, else as any linear */
 static inline void expert_linear(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M,
                                  int64_t K, int64_t O, int64_t min_rows) {
     if (!linear_tiles_min(x, ldx, w, y, ldy, M, K, O, min_rows)) linear_w(x, ldx, w, y, ldy, M, K, O);
 }
 
-/* min_rows: a routed expert's products take the tiles from expert_tile_rows() rows (the rows an expert gets
+/* y [R, H] = w2 (silu(gate) * up) with gate | up = w13 x for R rows of x (row stride ldx); h [R, 2I] scratch.
+ * min_rows: a routed expert's products take the tiles from expert_tile_rows() rows (the rows an expert gets
  * depend on the batch anyway); the shared expert's, as every linear of the tokens, from set_tile_rows' */
 static inline void expert_rows(const float *x, int64_t ldx, int64_t R, int64_t H, const Weight *w13,
                                const Weight *w2, int64_t I, float *h, float *y, int64_t min_rows) {
