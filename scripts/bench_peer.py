@@ -19,7 +19,9 @@ The client: ours (`server/tools/bench.py`, `--client moe`, the request set of st
 so both engines get the same prompts as text; its JSON results are read back into the same table).
 
 Engine settings default to the best found for a 2-core machine (docs/benchmarks.md says how they were
-found); `--moe-args`, `--moe-env`, `--vllm-args`, `--vllm-env`, `--vllm-auto-env` change them.
+found); `--moe-args`, `--moe-env`, `--vllm-args`, `--vllm-env`, `--vllm-auto-env` change them. `moe-base` is
+our server a second time, under the same load: from another checkout's venv (`--moe-base-venv`, an A/B of two
+versions) and/or with other flags (`--moe-base-args`) or environment (`--moe-base-env`).
 """
 
 from __future__ import annotations
