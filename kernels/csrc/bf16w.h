@@ -205,8 +205,9 @@ void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, f
  * now in effect (0 where the build or the OS gives no tiles); rows < 0 only reads them. */
 int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K, int64_t O);
 int64_t set_tile_rows(int64_t rows);
-/* linear_tiles from min_rows rows (0: never); expert_tile_rows: the rows from which a routed or shared expert's
- * products take the tiles (at most set_tile_rows', 0 where the tiles are off) */
+/* linear_tiles from min_rows rows (0: never; linear_tiles is it with set_tile_rows'; linear_amx.cpp or
+ * linear_dpbf16.cpp); expert_tile_rows: the rows from which a routed expert's products take the tiles (at most
+ * set_tile_rows', 0 where the tiles are off) */
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows);
 int64_t expert_tile_rows(void);

@@ -92,11 +92,6 @@ int64_t set_tile_rows(int64_t rows) {
 
 int64_t expert_tile_rows(void) { return tile_rows > EXPERT_TILE_ROWS ? EXPERT_TILE_ROWS : tile_rows; }
 
-int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
-                 int64_t O) {
-    return linear_tiles_min(x, ldx, w, y, ldy, M, K, O, tile_rows);
-}
-
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows) {
     int64_t Mp;
@@ -140,18 +135,12 @@ int64_t set_tile_rows(int64_t rows) {
     return 0;
 }
 
-int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
-                 int64_t O) {
-    (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)M, (void)K, (void)O;
-    return 0;
-}
-
 int64_t expert_tile_rows(void) { return 0; }
 
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows) {
-    (void)min_rows;
-    return linear_tiles(x, ldx, w, y, ldy, M, K, O);
+    (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)M, (void)K, (void)O, (void)min_rows;
+    return 0;
 }
 
 #endif

@@ -108,6 +108,11 @@ static void linear_serial(const float *x, int64_t ldx, const Weight *w, int64_t 
     }
 }
 
+int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
+                 int64_t O) {
+    return linear_tiles_min(x, ldx, w, y, ldy, M, K, O, set_tile_rows(-1));
+}
+
 void linear_w(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K, int64_t O) {
     if (linear_tiles(x, ldx, w, y, ldy, M, K, O)) return;  /* the AMX build, enough rows: linear_amx.cpp */
     int nt = threads_for_region();

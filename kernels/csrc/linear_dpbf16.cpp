@@ -64,11 +64,6 @@ int64_t set_tile_rows(int64_t rows) {
 
 int64_t expert_tile_rows(void) { return dp_rows; }  /* not measured lower on this build */
 
-int linear_tiles(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
-                 int64_t O) {
-    return linear_tiles_min(x, ldx, w, y, ldy, M, K, O, dp_rows);
-}
-
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows) {
     int64_t Mp;
