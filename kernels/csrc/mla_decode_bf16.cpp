@@ -22,6 +22,7 @@
  * is a multiple of 16, the same products run on the tiles (mla_decode_amx.cpp), 16 heads a pass.
  */
 #include "bf16w.h"
+#include "pack_bf16.h"
 
 /* s[0..L) <- exp(s - max) / sum, in place. */
 static void softmax_inplace(float *s, int64_t L) {
@@ -252,8 +253,8 @@ static int one_seq(const float *q, int64_t ldq_b, int64_t ldq_n, const uint16_t 
 #ifdef __AVX512BF16__
     if (dp) {  /* on AMX tiles where they take it, else on the dot products */
         int tiles = mla_seq_tiles(qb, NULL, ldq_n, cache, bs, D, table, L, 0, ob, NULL, ldo_n, N, C, scale);
-        return tiles < 0 || (tiles == 0 && seq_dpbf16(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale)) ? -1
-                                                                                                                : 0;
+        if (tiles == 0) return seq_dpbf16(qb, ldq_n, cache, bs, D, table, L, ob, ldo_n, N, C, scale);
+        return tiles < 0 ? -1 : 0;
     }
 #else
     (void)dp;
@@ -271,7 +272,7 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
 #endif
     /* Work units: a sequence, or, where the AMX tiles run with at most 8 heads (half a tile's columns), two
      * sequences of one context in one pass (unit = 2 b + 1; else 2 b) */
-    const bool pairs = dp && N <= 8 && bs % 16 == 0 && B > 1;
+    const bool pairs = HAVE_AMX_BF16 && dp && N <= 8 && bs % 16 == 0 && B > 1;
     int64_t *units = pairs ? (int64_t *)malloc((size_t)B * sizeof(int64_t)) : NULL;
     int64_t U = 0;
     if (units)
