@@ -89,7 +89,8 @@ class ModelRunner:
             self.model.requires_grad_(False)
             load_checkpoint(self.model, model_dir, cfg)
             self.model.eval()
-        self.decode_rows_limit = self.model.decode_rows_limit()  # prompt chunks this short go as decode rows
+        self.decode_rows_limit = self.model.decode_rows_limit()  # prompt chunks this short go as decode rows,
+        self.decode_context_limit = self.model.decode_context_limit()  # and so do those whose context ends by this
         with self.startup.phase("kv_cache"):
             # One latent cache tensor per local layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
             self.kv_caches = [torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=self.device)
@@ -109,7 +110,9 @@ class ModelRunner:
         token_ids, positions, slots = [], [], []
         decode_idx, decode_tables, decode_lens, prefills, sample_idx, sample_reqs = [], [], [], [], [], []
         prompt_rows: list[PromptLogprobRows] = []
-        for item in scheduled:
+        # token rows in the order of each request's context end (decode rows by context length, a prompt chunk's
+        # rows side by side and in order): decode row b is then token row b where every row is one
+        for item in sorted(scheduled, key=lambda it: it.request.num_computed_tokens + it.num_new_tokens):
             req, n = item.request, item.num_new_tokens
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             t0 = len(token_ids)
@@ -125,7 +128,8 @@ class ModelRunner:
                 decode_idx.append(t0)
                 decode_tables.append(req.block_ids[:num_blocks])
                 decode_lens.append(end)
-            elif n <= self.decode_rows_limit or absorbed_is_cheaper(n, end, self.cfg):  # one decode row per query
+            elif (n <= self.decode_rows_limit or end <= self.decode_context_limit
+                  or absorbed_is_cheaper(n, end, self.cfg)):  # one decode row per query
                 token_ids.extend(req.all_token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, end))
@@ -140,10 +144,9 @@ class ModelRunner:
             if end == req.num_tokens:  # prompt complete: this step yields the next token
                 sample_idx.append(t0 + n - 1)
                 sample_reqs.append(req)
-        # decode rows sorted by context length, in groups that each pad only to their own longest context
-        order = sorted(range(len(decode_idx)), key=lambda i: decode_lens[i])
-        decode_idx, decode_tables, decode_lens = ([v[i] for i in order] for v in (decode_idx, decode_tables, decode_lens))
-        groups = [(g0, g1, len(decode_tables[g1 - 1])) for g0, g1 in decode_group_bounds(len(decode_idx))]
+        # decode rows in groups (by context length, as laid out) that each pad only to their own longest context
+        groups = [(g0, g1, max(len(t) for t in decode_tables[g0:g1]))
+                  for g0, g1 in decode_group_bounds(len(decode_idx))]
         width = max((len(t) for t in decode_tables), default=1)
         tables = [t + [0] * (width - len(t)) for t in decode_tables]
         dev = self.device
