@@ -185,9 +185,13 @@ class FusedDecodeLayer:
     # on a 2 GHz core, and the chunk's context decompressed). Up to this many queries a chunk is cheaper as
     # decode rows, one per query in the absorbed form, whatever the extra attention work that
     # moe/attention.py absorbed_is_cheaper counts. Bench model, 2 cores (docs/benchmarks.md): a whole prompt
-    # of 8 / 64 / 256 tokens 6.4 -> 4.9, 13.9 -> 11.4, 37.6 -> 34.4 ms, but 384 tokens 52 -> 57; chunks of 256
-    # after 768 / 1792 cached tokens 55 -> 51, 179 -> 98 ms.
+    # of 8 / 64 / 256 tokens 6.4 -> 4.9, 13.9 -> 11.4, 37.6 -> 34.4 ms; chunks of 256 after 768 / 1792 cached
+    # tokens 55 -> 51, 179 -> 98 ms.
     chunk_rows = 256
+    # So is a longer chunk whose context ends by this many tokens (the layer takes its rows in blocks): whole
+    # prompts of 384 / 1024 / 2048 tokens 60-66 -> 50-52, 257-265 -> 169-175, 593-596 -> 455-496 ms; chunks of
+    # 1024 ending at 2048 / 3072 tokens 460 -> 317, 609 -> 555 ms, but at 4096 741 -> 794.
+    chunk_context = 3072
 
     def __init__(self, kernel: cpu_decode_layer.DecodeLayerKernel):
         self.kernel = kernel

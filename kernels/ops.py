@@ -27,8 +27,9 @@ weight's per-block scales, None for other weights):
   prepare(model)                                   once after loading: the weights as the backend wants them
   fused_decode_layer(spec) -> callable | None      an optional whole-layer fast path for decode steps (the
                                                    callable returns None for inputs it does not take; its
-                                                   `chunk_rows`: prompt chunks of up to this many queries
-                                                   are worth giving as decode rows to take the path)
+                                                   `chunk_rows`: prompt chunks of up to this many queries,
+                                                   and `chunk_context`: chunks whose context ends by this
+                                                   many tokens, are worth giving as decode rows to take it)
 """
 
 from __future__ import annotations

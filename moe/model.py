@@ -249,6 +249,14 @@ class DeepseekForCausalLM(nn.Module):
             return 0
         return min(getattr(f, "chunk_rows", 0) for f in fast)
 
+    def decode_context_limit(self) -> int:
+        """Prompt chunks whose context ends by this many tokens run as decode rows too, however many their
+        queries: as decode_rows_limit, the fewest `chunk_context` the local layers' whole-layer paths name."""
+        fast = [layer.fast_decode for layer in self.model.layers[self.model.start:self.model.end]]
+        if not fast or any(f is None for f in fast):
+            return 0
+        return min(getattr(f, "chunk_context", 0) for f in fast)
+
     def after_loading(self) -> None:
         """Once, after the weights are in: MLA's absorbed per-head weights, the kernel backend's preparation
         (kernels/ops.py), and each layer's whole-layer decode path where the backend has one."""

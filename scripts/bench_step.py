@@ -71,7 +71,7 @@ def main() -> None:
     if args.layer_by_layer:
         for layer in engine.runner.model.model.layers:
             layer.fast_decode = None
-        engine.runner.decode_rows_limit = 0
+        engine.runner.decode_rows_limit = engine.runner.decode_context_limit = 0
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     from moe_serve.kernels import ops
 

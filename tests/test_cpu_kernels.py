@@ -325,6 +325,34 @@ def test_decode_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatc
 
 
 @needs_kernels
+def test_decode_layer_kernel_takes_a_long_step_in_blocks_of_rows(tmp_path, monkeypatch, float32_products):
+    """A step of more rows than the C layer's attention takes at once (ATTENTION_ROWS, 256, in
+    csrc/decode_layer.cpp) goes through it in blocks, one prompt's rows split between two of them: the same
+    greedy tokens and logprobs as the layer-by-layer path, which takes every row at once."""
+    from moe_serve.kernels.cpu_decode_layer import DecodeLayerKernel
+    from moe_serve.moe.tiny import make_checkpoint
+    from moe_serve.server import LLM, SamplingParams
+
+    ckpt = make_checkpoint(tmp_path / "v3", "v3", dtype="bfloat16")
+    fused, plain = (LLM(ckpt, dtype="bfloat16", kernel_backend="cpu", max_num_batched_tokens=1024) for _ in range(2))
+    for layer in plain.engine.runner.model.model.layers:
+        layer.fast_decode = None
+    calls = []
+    monkeypatch.setattr(DecodeLayerKernel, "forward",
+                        lambda self, x, *a, _f=DecodeLayerKernel.forward: calls.append(x.shape[0]) or _f(self, x, *a))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (200, 180, 150)]  # rows 200-379 straddle 256
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    got, want = fused.generate(prompts, params), plain.generate(prompts, params)
+    assert 530 in calls  # the three prompts in one step, through the C layer
+    for a, b in zip(got, want):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        for t, step_a, step_b in zip(a.token_ids, a.logprobs, b.logprobs):
+            assert abs(step_a[t] - step_b[t]) < 1e-4
+
+
+@needs_kernels
 def test_decode_layer_kernel_refuses_weights_it_cannot_take():
     from moe_serve.kernels.cpu_decode_layer import DecodeLayerKernel, LayerWeights, Router
 

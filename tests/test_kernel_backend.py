@@ -75,8 +75,9 @@ def test_cpu_backend_on_narrow_weights(tmp_path, monkeypatch, caplog, float32_pr
     llm = LLM(ckpt, dtype="bfloat16", kernel_backend="cpu", max_num_batched_tokens=16)  # chunked prefill + decode
     assert any("kernel backend: cpu" in r.getMessage() for r in caplog.records)
     runner = llm.engine.runner
-    assert runner.decode_rows_limit == 256  # prompt chunks this short go through the whole-layer path too...
-    runner.decode_rows_limit = 0  # ...so off here: the chunks of 16 run the op-by-op MLA and experts kernels
+    assert (runner.decode_rows_limit, runner.decode_context_limit) == (256, 3072)  # prompt chunks this short, or
+    runner.decode_rows_limit = runner.decode_context_limit = 0  # this early, go through the whole-layer path too:
+    # off here, so that the chunks of 16 run the op-by-op MLA and experts kernels
     assert all(c.dtype == torch.bfloat16 for c in runner.kv_caches)
     weights = dict(runner.model.named_parameters())
     narrow = torch.float8_e4m3fn if fp8 else torch.bfloat16

@@ -22,46 +22,75 @@ static void add_into(float *x, const float *y, int64_t n) {
     for (; i < n; i++) x[i] += y[i];
 }
 
+/* Query rows the attention half of the layer takes at a time: a prompt of many rows goes through it in blocks,
+ * so that each block's intermediates (about 50 KiB a row in float32: q, the latent queries and outputs) stay in
+ * the cache between the products, instead of streaming through memory once per product. */
+#define ATTENTION_ROWS 256
+
+/* The attention half for rows [t0, t0 + n) (sequence b is token row b, or rows[b] where rows is given). */
+static int attention_rows(const DecodeLayer *w, float *x, int64_t t0, int64_t n, const float *cos_, const float *sin_,
+                          uint16_t *cache, int64_t bs, const int64_t *slots, const int64_t *rows, const int64_t *tables,
+                          int64_t ld_t, const int64_t *lens, float *h) {
+    int64_t H = w->H, N = w->N, C = w->C, R = w->R, Dn = w->Dn, Dv = w->Dv, Dq = Dn + R, D = C + R;
+    float *qa = h + n * H, *q = qa + n * w->Qr, *kv = q + n * N * Dq, *qlat = kv + n * D, *olat = qlat + n * N * D;
+    float *attn = olat + n * N * C, *y = attn + n * N * Dv;
+    float *xb = x + t0 * H;
+    cos_ += t0 * (R / 2), sin_ += t0 * (R / 2), slots += t0;
+    rms_norm_f32(xb, H, w->in_norm, h, H, n, H, w->eps_in);
+    if (w->Qr) {
+        linear_w(h, H, &w->q_a, qa, w->Qr, n, H, w->Qr);
+        rms_norm_f32(qa, w->Qr, w->q_a_norm, qa, w->Qr, n, w->Qr, w->eps_q);
+        linear_w(qa, w->Qr, &w->q_b, q, N * Dq, n, w->Qr, N * Dq);
+    } else {
+        linear_w(h, H, &w->q_b, q, N * Dq, n, H, N * Dq);
+    }
+    linear_w(h, H, &w->kv_a, kv, D, n, H, D);
+    mla_cache_write_bf16(kv, D, w->kv_a_norm, w->eps_kv, cos_, sin_, w->interleaved, cache, slots, n, C, R);
+    /* per head: q_lat = [W_UK^T q_nope, rope(q_pe)] */
+    linear_w_batched(q, N * Dq, Dq, &w->w_uk, qlat, N * D, D, n, Dn, C, N);
+    rope_f32(q + Dn, N * Dq, Dq, cos_, sin_, qlat + C, N * D, D, n, N, R, w->interleaved);
+    if (rows ? mla_decode_bf16(qlat, N * D, D, cache, bs, D, tables, ld_t, lens, olat, N * C, C, n, N, C,
+                               w->softmax_scale, rows)
+             : mla_decode_bf16(qlat, N * D, D, cache, bs, D, tables + t0 * ld_t, ld_t, lens + t0, olat, N * C, C, n,
+                               N, C, w->softmax_scale, NULL))
+        return -1;
+    linear_w_batched(olat, N * C, C, &w->w_uv, attn, N * Dv, Dv, n, C, Dv, N);
+    linear_w(attn, N * Dv, &w->o, y, H, n, N * Dv, H);
+    add_into(xb, y, n * H);
+    return 0;
+}
+
 /* x [T, H] contiguous float32, updated in place. cos / sin [T, R/2] contiguous; cache [*, bs, C + R] bf16
  * contiguous; slots [T]; sequence b (of T) is token row rows[b], its block table tables[b] (row stride ld_t)
  * and context length lens[b] (this step's token included). ids [T, K] (may be NULL): receives the routed
  * expert ids, for load recording. Returns 0; -1 when scratch memory could not be had; 1 + the index of a bad
- * expert id (as moe_w). */
+ * expert id (as moe_w).
+ *
+ * Where sequence b is row b (the rows of a prompt chunk in order, as the runner lays them out) and there are
+ * more than ATTENTION_ROWS, the attention half goes in blocks of rows, each block's cache rows written before
+ * its queries read the cache: a query's earlier rows lie in its own block or an earlier one. */
 int64_t decode_layer_f32(const DecodeLayer *w, float *x, int64_t T, const float *cos_, const float *sin_,
                          uint16_t *cache, int64_t bs, const int64_t *slots, const int64_t *rows, const int64_t *tables,
                          int64_t ld_t, const int64_t *lens, int64_t *ids) {
     int64_t H = w->H, N = w->N, C = w->C, R = w->R, Dn = w->Dn, Dv = w->Dv, Dq = Dn + R, D = C + R, K = w->K;
     if (T <= 0) return 0;
-    size_t floats = (size_t)T * (size_t)(2 * H + w->Qr + N * Dq + D + N * D + N * C + N * Dv + K) + 64;
+    int64_t in_order = 1;
+    for (int64_t b = 0; b < T && in_order; b++) in_order = rows[b] == b;
+    int64_t Tb = in_order && T > ATTENTION_ROWS ? ATTENTION_ROWS : T;
+    size_t att = (size_t)Tb * (size_t)(H + w->Qr + N * Dq + D + N * D + N * C + N * Dv + H);
+    size_t floats = (size_t)T * (size_t)(2 * H + K) + att + 64;
     size_t bytes = floats * sizeof(float) + (ids ? 0 : (size_t)(T * K) * sizeof(int64_t));
     float *h = (float *)thread_scratch(bytes);
     if (!h) return -1;
-    float *qa = h + T * H, *q = qa + T * w->Qr, *kv = q + T * N * Dq, *qlat = kv + T * D, *olat = qlat + T * N * D;
-    float *attn = olat + T * N * C, *y = attn + T * N * Dv, *wts = y + T * H;
-    if (!ids) ids = (int64_t *)(((uintptr_t)(wts + T * K) + 63) & ~(uintptr_t)63);
+    float *y = h + T * H, *wts = y + T * H, *ah = wts + T * K;
+    if (!ids) ids = (int64_t *)(((uintptr_t)(ah + att) + 63) & ~(uintptr_t)63);
 
-    /* attention */
-    rms_norm_f32(x, H, w->in_norm, h, H, T, H, w->eps_in);
-    if (w->Qr) {
-        linear_w(h, H, &w->q_a, qa, w->Qr, T, H, w->Qr);
-        rms_norm_f32(qa, w->Qr, w->q_a_norm, qa, w->Qr, T, w->Qr, w->eps_q);
-        linear_w(qa, w->Qr, &w->q_b, q, N * Dq, T, w->Qr, N * Dq);
-    } else {
-        linear_w(h, H, &w->q_b, q, N * Dq, T, H, N * Dq);
-    }
-    linear_w(h, H, &w->kv_a, kv, D, T, H, D);
-    mla_cache_write_bf16(kv, D, w->kv_a_norm, w->eps_kv, cos_, sin_, w->interleaved, cache, slots, T, C, R);
-    /* per head: q_lat = [W_UK^T q_nope, rope(q_pe)] */
-    linear_w_batched(q, N * Dq, Dq, &w->w_uk, qlat, N * D, D, T, Dn, C, N);
-    rope_f32(q + Dn, N * Dq, Dq, cos_, sin_, qlat + C, N * D, D, T, N, R, w->interleaved);
-    if (mla_decode_bf16(qlat, N * D, D, cache, bs, D, tables, ld_t, lens, olat, N * C, C, T, N, C, w->softmax_scale,
-                        rows))
-        return -1;
-    linear_w_batched(olat, N * C, C, &w->w_uv, attn, N * Dv, Dv, T, C, Dv, N);
-    linear_w(attn, N * Dv, &w->o, y, H, T, N * Dv, H);
-    add_into(x, y, T * H);
+    for (int64_t t0 = 0; t0 < T; t0 += Tb)
+        if (attention_rows(w, x, t0, T - t0 < Tb ? T - t0 : Tb, cos_, sin_, cache, bs, slots, Tb < T ? NULL : rows,
+                           tables, ld_t, lens, ah))
+            return -1;
 
-    /* MLP: routed experts (+ shared), or dense */
+    /* MLP: routed experts (+ shared), or dense, over all the rows at once (each expert's weight read once) */
     rms_norm_f32(x, H, w->post_norm, h, H, T, H, w->eps_post);
     if (w->E)
         route_noaux_tc_f32(h, H, w->router, H, w->router_bias, T, w->E, w->G, w->topk_group, K, w->norm_topk,
