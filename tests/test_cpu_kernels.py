@@ -349,7 +349,9 @@ def test_decode_layer_kernel_takes_a_long_step_in_blocks_of_rows(tmp_path, monke
         a, b = a.outputs[0], b.outputs[0]
         assert a.token_ids == b.token_ids
         for t, step_a, step_b in zip(a.token_ids, a.logprobs, b.logprobs):
-            assert abs(step_a[t] - step_b[t]) < 1e-4
+            # float32 sums in another order (the AVX2 build's products split rows by their count): up to 1.5e-4
+            # measured; a query reading a wrong context moves them by far more
+            assert abs(step_a[t] - step_b[t]) < 1e-3
 
 
 @needs_kernels

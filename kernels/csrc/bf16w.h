@@ -31,6 +31,7 @@ static inline int thread_index(void) {
 }
 
 #define PARALLEL_MIN_WEIGHTS (1 << 16)  /* smaller weights take one thread: a fork costs about a microsecond */
+#define PARALLEL_MIN_VALUES (1 << 15)   /* row-wise ops (norms, rotary, adds) over fewer values take one thread */
 
 /* Per-thread scratch memory of at least `bytes`, kept between calls (one buffer per file and thread). */
 static __thread void *scratch_ptr;

@@ -24,6 +24,11 @@ static inline float rms_scale(const float *x, int64_t D, float eps) {
 /* y[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); x [T, D] (row stride ldx), y [T, D] (row stride ldy). */
 void rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t T, int64_t D,
                   float eps) {
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * D >= PARALLEL_MIN_VALUES)
+#endif
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * ldx;
         float *yt = y + t * ldy;
@@ -42,6 +47,11 @@ void rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t
 void rope_f32(const float *x, int64_t ldx_t, int64_t ldx_n, const float *cos_, const float *sin_, float *y,
               int64_t ldy_t, int64_t ldy_n, int64_t T, int64_t N, int64_t R, int64_t interleaved) {
     int64_t h = R / 2;
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * N * R >= PARALLEL_MIN_VALUES)
+#endif
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_ + t * h, *s = sin_ + t * h;
         for (int64_t n = 0; n < N; n++) {
@@ -178,6 +188,11 @@ void mla_cache_write_bf16(const float *kv, int64_t ldkv, const float *norm_w, fl
                           const float *sin_, int64_t interleaved, uint16_t *cache, const int64_t *slots, int64_t T,
                           int64_t C, int64_t R) {
     int64_t D = C + R, h = R / 2;
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * D >= PARALLEL_MIN_VALUES)
+#endif
     for (int64_t t = 0; t < T; t++) {
         const float *x = kv + t * ldkv;
         uint16_t *row = cache + slots[t] * D;

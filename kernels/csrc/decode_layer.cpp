@@ -16,10 +16,21 @@
  */
 #include "bf16w.h"
 
-static void add_into(float *x, const float *y, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) x[i] += y[i];
+/* x[t, :H] += y[t, :H] for T rows (both contiguous) */
+static void add_into(float *x, const float *y, int64_t T, int64_t H) {
+    int nt = threads_for_region();
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * H >= PARALLEL_MIN_VALUES)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        float *xt = x + t * H;
+        const float *yt = y + t * H;
+        int64_t i = 0;
+        for (; i + 8 <= H; i += 8)
+            _mm256_storeu_ps(xt + i, _mm256_add_ps(_mm256_loadu_ps(xt + i), _mm256_loadu_ps(yt + i)));
+        for (; i < H; i++) xt[i] += yt[i];
+    }
 }
 
 /* Query rows the attention half of the layer takes at a time: a prompt of many rows goes through it in blocks,
@@ -56,7 +67,7 @@ static int attention_rows(const DecodeLayer *w, float *x, int64_t t0, int64_t n,
         return -1;
     linear_w_batched(olat, N * C, C, &w->w_uv, attn, N * Dv, Dv, n, C, Dv, N);
     linear_w(attn, N * Dv, &w->o, y, H, n, N * Dv, H);
-    add_into(xb, y, n * H);
+    add_into(xb, y, n, H);
     return 0;
 }
 
@@ -98,6 +109,6 @@ int64_t decode_layer_f32(const DecodeLayer *w, float *x, int64_t T, const float 
     int64_t status = moe_w(h, H, T, H, &w->w13, &w->w2, w->E, w->Ie, ids, wts, w->E ? K : 0, y,
                            w->sw13.data ? &w->sw13 : NULL, w->Is, &w->sw2);
     if (status) return status;
-    add_into(x, y, T * H);
+    add_into(x, y, T, H);
     return 0;
 }
