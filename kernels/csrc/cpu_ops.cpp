@@ -139,11 +139,14 @@ static void route_one(float *s, const float *bias, int64_t E, int64_t G, int64_t
             if (gs[g] != INFINITY && (best < 0 || gs[g] > gs[best])) best = g;
         gs[best] = INFINITY;
     }
+    for (int64_t g = 0; g < G; g++)  /* experts of the other groups are out */
+        if (gs[g] != INFINITY)
+            for (int64_t e = g * per; e < (g + 1) * per; e++) c[e] = -INFINITY;
     float sum = 0.0f;
     for (int64_t k = 0; k < K; k++) {
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++)
-            if (gs[e / per] == INFINITY && c[e] != -INFINITY && (best < 0 || c[e] > c[best])) best = e;
+            if (c[e] != -INFINITY && (best < 0 || c[e] > c[best])) best = e;
         ids[k] = best;
         wts[k] = best >= 0 ? s[best] : 0.0f;
         if (best >= 0) { sum += s[best]; c[best] = -INFINITY; }
