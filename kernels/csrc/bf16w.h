@@ -30,6 +30,14 @@ static inline int thread_index(void) {
 #endif
 }
 
+static inline int team_threads(void) {  /* threads of the current team (1 outside a region) */
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 #define PARALLEL_MIN_WEIGHTS (1 << 16)  /* smaller weights take one thread: a fork costs about a microsecond */
 #define PARALLEL_MIN_VALUES (1 << 15)   /* row-wise ops (norms, rotary, adds) over fewer values take one thread */
 

@@ -12,8 +12,12 @@
  * call, by all the threads, into blocks of 16 x rows of 32-bit (bf16, bf16) pairs (pack_x, pack_bf16.h: one B tile a
  * contiguous KiB), M rounded up to 16 (rows of zeros). A tile of C then holds y transposed (16 weight rows by 16 x
  * rows), transposed the same way into y. The x rows go in passes whose packed pairs stay in L2; in each, a thread
- * takes 32 weight rows at a time against all the pass's rows (two A tiles, two B tiles, four C tiles). Shapes the
- * tiles do not cover (O not a multiple of 16, K not one of 32, FP8 weights) return 0 and the float32 kernel runs.
+ * takes 32 weight rows at a time against all the pass's rows (two A tiles, two B tiles, four C tiles). With at
+ * most STREAM_ROWS x rows (decode batches, an expert's rows) each weight byte is used once, read from memory:
+ * a thread then takes a contiguous run of weight rows and fetches the next 32 rows into L2 while it multiplies
+ * these, which the hardware prefetcher does not do for 32 short strided runs (decode at 32 running 5-8%
+ * faster, docs/benchmarks.md). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8
+ * weights) return 0 and the float32 kernel runs.
  */
 #include <string.h>
 
@@ -32,6 +36,8 @@ static int64_t tile_rows;  /* 0: off */
  * core, as the routed experts run, a product of 8-15 rows by a 512 x 512 or 512 x 256 weight is 1.2-1.7x faster
  * on the tiles (docs/benchmarks.md). Which rows an expert gets depends on the batch in any case. */
 #define EXPERT_TILE_ROWS 8
+/* Products of at most this many x rows (decode batches) stream their weight (see linear_tiles_min) */
+#define STREAM_ROWS 64
 
 /* c [16 weight rows][16 x rows] (a C tile) into y rows m0.. (< M), columns o0..o0 + 16 */
 static inline void store_transposed(const float *c, float *y, int64_t ldy, int64_t m0, int64_t M, int64_t o0) {
@@ -41,10 +47,11 @@ static inline void store_transposed(const float *c, float *y, int64_t ldy, int64
     for (int64_t j = 0; j < 16 && m0 + j < M; j++) _mm512_storeu_si512(y + (m0 + j) * ldy + o0, cols[j]);
 }
 
-/* weight rows o0 .. o0 + 16 * NA (NA = 1 or 2) against rows m1 .. m2 of xp (pack_x), into y */
+/* weight rows o0 .. o0 + 16 * NA (NA = 1 or 2) against rows m1 .. m2 of xp (pack_x), into y. next (may be NULL):
+ * the first of 32 weight rows this thread takes next, fetched into L2 alongside, column for column. */
 template <int NA>
 static void weight_rows(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t m1, int64_t m2, int64_t M,
-                        int64_t K, int64_t o0, float *y, int64_t ldy) {
+                        int64_t K, int64_t o0, float *y, int64_t ldy, const uint16_t *next) {
     alignas(64) float c[16 * 16];
     for (int64_t m0 = m1; m0 < m2; m0 += 32) {
         int two = m2 - m0 >= 32;
@@ -53,6 +60,8 @@ static void weight_rows(const uint16_t *w, int64_t ldw, const uint32_t *xp, int6
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t k = 0; k < K; k += 32) {
+            if (next && m0 == m1)
+                for (int i = 0; i < 32; i++) _mm_prefetch((const char *)(next + i * ldw + k), _MM_HINT_T1);
             _tile_loadd(4, w + o0 * ldw + k, ldw * 2);
             _tile_loadd(6, xp + m0 * (K / 2) + (k / 2) * 16, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -111,16 +120,30 @@ int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int
     {
         tiles_on();
         pack_x(x, ldx, M, Mp, K, xp);  /* by all the threads */
-        for (int64_t m1 = 0; m1 < Mp; m1 += pass) {
-            int64_t m2 = Mp - m1 < pass ? Mp : m1 + pass;
+        if (Mp <= STREAM_ROWS) {
+            /* few x rows: each weight row is used once and read from memory; a thread takes a contiguous run of
+             * blocks and fetches the next block's rows while it multiplies this one's */
+            int nth = team_threads(), t = thread_index();
+            int64_t b1 = blocks * t / nth, b2 = blocks * (t + 1) / nth;
+            for (int64_t b = b1; b < b2; b++) {
+                const uint16_t *next = b + 1 < b2 && O - 32 * (b + 1) >= 32 ? wd + 32 * (b + 1) * ldw : NULL;
+                if (O - 32 * b >= 32)
+                    weight_rows<2>(wd, ldw, xp, 0, Mp, M, K, 32 * b, y, ldy, next);
+                else
+                    weight_rows<1>(wd, ldw, xp, 0, Mp, M, K, 32 * b, y, ldy, NULL);
+            }
+        } else {
+            for (int64_t m1 = 0; m1 < Mp; m1 += pass) {
+                int64_t m2 = Mp - m1 < pass ? Mp : m1 + pass;
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1) nowait
 #endif
-            for (int64_t b = 0; b < blocks; b++) {
-                if (O - 32 * b >= 32)
-                    weight_rows<2>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy);
-                else
-                    weight_rows<1>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy);
+                for (int64_t b = 0; b < blocks; b++) {
+                    if (O - 32 * b >= 32)
+                        weight_rows<2>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy, NULL);
+                    else
+                        weight_rows<1>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy, NULL);
+                }
             }
         }
         _tile_release();
