@@ -244,18 +244,18 @@ class DeepseekForCausalLM(nn.Module):
         """Prompt chunks of up to this many queries run as decode rows (one per query, the absorbed form)
         whatever their attention's cost: where every local layer has the backend's whole-layer path, which
         takes all-decode steps only, the fewest `chunk_rows` it names; else 0."""
-        fast = [layer.fast_decode for layer in self.model.layers[self.model.start:self.model.end]]
-        if not fast or any(f is None for f in fast):
-            return 0
-        return min(getattr(f, "chunk_rows", 0) for f in fast)
+        return self._whole_layer_limit("chunk_rows")
 
     def decode_context_limit(self) -> int:
         """Prompt chunks whose context ends by this many tokens run as decode rows too, however many their
-        queries: as decode_rows_limit, the fewest `chunk_context` the local layers' whole-layer paths name."""
+        queries: as decode_rows_limit, the fewest `chunk_context` the whole-layer paths name."""
+        return self._whole_layer_limit("chunk_context")
+
+    def _whole_layer_limit(self, name: str) -> int:
         fast = [layer.fast_decode for layer in self.model.layers[self.model.start:self.model.end]]
         if not fast or any(f is None for f in fast):
             return 0
-        return min(getattr(f, "chunk_context", 0) for f in fast)
+        return min(getattr(f, name, 0) for f in fast)
 
     def after_loading(self) -> None:
         """Once, after the weights are in: MLA's absorbed per-head weights, the kernel backend's preparation

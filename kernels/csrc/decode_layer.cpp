@@ -42,10 +42,10 @@ static void add_into(float *x, const float *y, int64_t T, int64_t H) {
  * one or two per op, and no op's rows split thinner than a block. */
 #define THREAD_BLOCK_ROWS 128
 
-/* Floats of a block's intermediates (attention_out) per row */
+/* Floats of a block's intermediates per row: attention_out's (attention_kv's C + R of kv fit in its N (C + R)) */
 static int64_t block_floats(const DecodeLayer *w) {
     int64_t N = w->N, D = w->C + w->R;
-    return w->Qr + N * (w->Dn + w->R) + D + N * D + N * w->C + N * w->Dv + w->H;
+    return w->Qr + N * (w->Dn + w->R) + N * D + N * w->C + N * w->Dv + w->H;
 }
 
 /* The first part of the attention half for rows [t0, t0 + n): h (their rows) = rms_norm(x), and their latents
@@ -66,8 +66,8 @@ static int attention_out(const DecodeLayer *w, float *x, int64_t t0, int64_t n, 
                          const uint16_t *cache, int64_t bs, const int64_t *rows, const int64_t *tables, int64_t ld_t,
                          const int64_t *lens, const float *h, float *scratch) {
     int64_t H = w->H, N = w->N, C = w->C, R = w->R, Dn = w->Dn, Dv = w->Dv, Dq = Dn + R, D = C + R;
-    float *qa = scratch, *q = qa + n * w->Qr, *kv_unused = q + n * N * Dq, *qlat = kv_unused + n * D;
-    float *olat = qlat + n * N * D, *attn = olat + n * N * C, *y = attn + n * N * Dv;
+    float *qa = scratch, *q = qa + n * w->Qr, *qlat = q + n * N * Dq, *olat = qlat + n * N * D;
+    float *attn = olat + n * N * C, *y = attn + n * N * Dv;
     cos_ += t0 * (R / 2), sin_ += t0 * (R / 2);
     if (w->Qr) {
         linear_w(h, H, &w->q_a, qa, w->Qr, n, H, w->Qr);
