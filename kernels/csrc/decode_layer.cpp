@@ -79,10 +79,8 @@ static int attention_out(const DecodeLayer *w, float *x, int64_t t0, int64_t n, 
     /* per head: q_lat = [W_UK^T q_nope, rope(q_pe)] */
     linear_w_batched(q, N * Dq, Dq, &w->w_uk, qlat, N * D, D, n, Dn, C, N);
     rope_f32(q + Dn, N * Dq, Dq, cos_, sin_, qlat + C, N * D, D, n, N, R, w->interleaved);
-    if (rows ? mla_decode_bf16(qlat, N * D, D, cache, bs, D, tables, ld_t, lens, olat, N * C, C, n, N, C,
-                               w->softmax_scale, rows)
-             : mla_decode_bf16(qlat, N * D, D, cache, bs, D, tables + t0 * ld_t, ld_t, lens + t0, olat, N * C, C, n,
-                               N, C, w->softmax_scale, NULL))
+    if (mla_decode_bf16(qlat, N * D, D, cache, bs, D, tables + t0 * ld_t, ld_t, lens + t0, olat, N * C, C, n, N, C,
+                        w->softmax_scale, rows))
         return -1;
     linear_w_batched(olat, N * C, C, &w->w_uv, attn, N * Dv, Dv, n, C, Dv, N);
     linear_w(attn, N * Dv, &w->o, y, H, n, N * Dv, H);
@@ -148,7 +146,7 @@ int64_t decode_layer_f32(const DecodeLayer *w, float *x, int64_t T, const float 
     } else if (in_order && T > ATTENTION_ROWS) {
         Tb = ATTENTION_ROWS;
     }
-    size_t area = (size_t)Tb * (size_t)(block_floats(w) + H) + 16;  /* a block's normed rows too (one thread) */
+    size_t area = (size_t)Tb * (size_t)block_floats(w) + 16;
     size_t att = (by_thread ? (size_t)nt : 1) * area;
     size_t floats = (size_t)T * (size_t)(2 * H + K) + att + 64;
     size_t bytes = floats * sizeof(float) + (ids ? 0 : (size_t)(T * K) * sizeof(int64_t));
@@ -163,9 +161,9 @@ int64_t decode_layer_f32(const DecodeLayer *w, float *x, int64_t T, const float 
     } else {
         for (int64_t t0 = 0; t0 < T; t0 += Tb) {
             int64_t n = T - t0 < Tb ? T - t0 : Tb;
-            float *hb = ah + (size_t)Tb * (size_t)block_floats(w);
-            attention_kv(w, x, t0, n, cos_, sin_, cache, slots, hb, ah);
-            if (attention_out(w, x, t0, n, cos_, sin_, cache, bs, Tb < T ? NULL : rows, tables, ld_t, lens, hb, ah))
+            attention_kv(w, x, t0, n, cos_, sin_, cache, slots, h + t0 * H, ah);
+            if (attention_out(w, x, t0, n, cos_, sin_, cache, bs, Tb < T ? NULL : rows, tables, ld_t, lens, h + t0 * H,
+                              ah))
                 return -1;
         }
     }
