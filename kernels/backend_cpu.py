@@ -80,6 +80,9 @@ class CpuBackend(TorchBackend):
         log.info("cpu backend: linears of bf16 weights take the C kernel up to %d rows, MKL on a widened copy "
                  "beyond (measured on this machine)", self.linear_row_limit)
 
+    def step_threads(self):
+        return cpu_build.kernel_threads()
+
     def fused_decode_layer(self, spec: DecoderLayerSpec):
         """The whole layer in one C call (csrc/decode_layer.c), or None where it does not apply: tensor or
         expert parallelism, routing other than DeepSeek-V3's, or weights other than bf16."""

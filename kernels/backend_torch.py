@@ -7,6 +7,8 @@ L context length, C latent dims, E experts, K experts per token.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +45,10 @@ class TorchBackend:
 
     def fused_decode_layer(self, spec):
         return None
+
+    def step_threads(self):
+        """A context for one engine step's ops (the CPU kernels take the threads from torch's own ops)."""
+        return contextlib.nullcontext()
 
     # ---- ops ---------------------------------------------------------------------------------
     def embedding(self, ids_T: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ cpu_decode_layer.py (a whole decode layer) is then not used, and the model calls
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -47,12 +48,13 @@ AVX512BF16_CPU_FLAGS = AVX512_CPU_FLAGS + ("avx512_bf16",)
 AVX512BF16_FLAGS = ["-mavx512bf16"]
 TILE_ROWS = 16  # a routed expert's products from fewer in the AMX build (expert_tile_rows, csrc/linear_amx.cpp)
 TILE_ISAS = ("amx", "avx512bf16")  # the builds whose products of TILE_ROWS+ rows are bf16
-# With OpenMP the library needs libgomp.so.1, which resolves to the copy torch has already loaded: one
-# thread pool for torch and these kernels, sized by torch.set_num_threads. Without it, one thread.
+# The kernels run their loops on their own threads (csrc/pool.cpp); OpenMP only tells them how many torch uses
+# (torch.set_num_threads), through libgomp.so.1, the copy torch has already loaded. Without it, one thread
+# unless kernel_threads sets the count.
 OPENMP = ["-fopenmp"]
 CPU_FLAGS = ("avx2", "fma", "f16c")
 OPS = ("mm_wt", "bmm_wt", "fused_moe", "mla_decode", "rms_norm", "rope", "mla_cache_write", "route_noaux_tc",
-       "decode_layer", "causal_softmax", "values_t")  # what csrc/torch_ops.cpp registers
+       "decode_layer", "causal_softmax", "values_t", "set_kernel_threads")  # what csrc/torch_ops.cpp registers
 
 
 def cpu_has(*flags: str) -> bool:
@@ -159,6 +161,27 @@ def tile_rows(rows: int | None = None) -> int:
     if not available() or isa() not in TILE_ISAS:
         return 0
     return torch.ops.moe_serve.set_tile_rows(-1 if rows is None else max(0, rows))
+
+
+@contextlib.contextmanager
+def kernel_threads():
+    """For the length of a block (an engine step), the kernels run on torch's thread count and torch's own ops
+    on one thread. The kernels have their own threads (csrc/pool.cpp: a loop's caller never waits for a thread
+    that has no work left, so a thread preempted by the server's front end costs one item, not a barrier);
+    torch's OpenMP threads spin for milliseconds after each of its parallel ops, and on the same cores the two
+    teams would take turns. torch's ops in a step are small (sampling, gathers). Nested, the inner block
+    changes nothing."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or not available():
+        yield
+        return
+    before = torch.ops.moe_serve.set_kernel_threads(threads)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.ops.moe_serve.set_kernel_threads(before)
 
 
 def expert_tile_rows() -> int:

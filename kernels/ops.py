@@ -85,6 +85,12 @@ def using(b):
         use(prev)
 
 
+def step_threads():
+    """A context for one engine step: the CPU backend runs its kernels on the cores and torch's ops on one thread
+    for its length (kernels/cpu_build.py kernel_threads); the others change nothing."""
+    return backend().step_threads()
+
+
 def embedding(ids_T, weight_VH):
     return backend().embedding(ids_T, weight_VH)
 

@@ -175,6 +175,47 @@ def test_per_head_products_equal_bmm(M):
 
 
 @needs_kernels
+def test_kernel_threads_keep_the_cores_for_a_step_and_give_them_back():
+    """Inside kernel_threads (an engine step) torch's ops run on one thread and the kernels on torch's former
+    count; after it, torch has its threads back. Two Python threads calling kernels at once (the second runs its
+    loops on its own thread) both get the right products."""
+    import threading
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(1)
+        x, w = torch.randn(48, 512), torch.randn(1000, 512).bfloat16()
+        want = cpu_bf16w.reference(x, w)
+        with cpu_build.kernel_threads():
+            assert torch.get_num_threads() == 1
+            assert torch.ops.moe_serve.set_kernel_threads(-1) == 2
+            with cpu_build.kernel_threads():  # nested: changes nothing
+                assert torch.get_num_threads() == 1
+            got, errors = [], []
+
+            def run():
+                try:
+                    for _ in range(30):
+                        got.append(cpu_bf16w.linear(x, w))
+                except Exception as err:  # noqa: BLE001 - reported below
+                    errors.append(err)
+
+            threads = [threading.Thread(target=run) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors and len(got) == 60
+            for y in got:
+                torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-3)
+                assert torch.equal(y, got[0])
+        assert torch.get_num_threads() == 2 and torch.ops.moe_serve.set_kernel_threads(-1) == 0
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
 def test_kernels_split_over_two_threads_equal_references(float32_products):
     """With two threads the large linears split their weight rows, decode attention its sequences and the
     per-head products their heads; the results must not change."""

@@ -12,30 +12,51 @@
 #include <omp.h>
 #endif
 
-/* Threads for a parallel region: the OpenMP runtime's setting (torch.set_num_threads sets it; the library
- * shares torch's libgomp, so both use one pool), 1 inside a region or where built without OpenMP. */
+/* The kernels' parallel loops (pool.cpp): pool_run calls fn(ctx, i, slot) for every i < n on up to `threads`
+ * threads, the caller's among them, and returns when all are done. slot < threads tells a thread's items apart
+ * (per-thread areas of the caller's buffers); it is 0 where the items run on the caller alone: with one
+ * thread, one item, or inside another loop's item. */
+typedef void (*pool_fn)(void *ctx, int64_t i, int slot);
+void pool_run(pool_fn fn, void *ctx, int64_t n, int threads);
+extern __thread int pool_in_item;
+
+/* Threads for a parallel loop: 1 inside a loop's item; else set_kernel_threads' count where set, else the OpenMP
+ * runtime's setting (torch.set_num_threads), 1 where built without OpenMP. While torch's own ops run on one
+ * thread (kernels/cpu_build.py kernel_threads), the kernels keep the cores to themselves: two teams of spinning
+ * threads on the same cores would take turns on them. */
+extern int pool_threads_set;
+int64_t set_kernel_threads(int64_t threads);  /* threads < 0: only read it; returns the former setting */
+
 static inline int threads_for_region(void) {
+    if (pool_in_item) return 1;
+    if (pool_threads_set > 0) return pool_threads_set;
 #ifdef _OPENMP
-    return omp_in_parallel() ? 1 : omp_get_max_threads();
+    return omp_get_max_threads();
 #else
     return 1;
 #endif
 }
 
-static inline int thread_index(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
+/* f(i, slot) for i < n on up to `threads` threads */
+template <class F>
+static inline void parallel_for(int64_t n, int threads, F &&f) {
+    if (threads <= 1 || n <= 1) {
+        for (int64_t i = 0; i < n; i++) f(i, 0);
+        return;
+    }
+    pool_run([](void *ctx, int64_t i, int slot) { (*(F *)ctx)(i, slot); }, (void *)&f, n, threads);
 }
 
-static inline int team_threads(void) {  /* threads of the current team (1 outside a region) */
-#ifdef _OPENMP
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
+/* f(t0, t1) over rows [0, T) in runs of consecutive rows, several runs a thread, so that a thread that is
+ * preempted holds the others up by one run, not by its whole share */
+template <class F>
+static inline void parallel_rows(int64_t T, int threads, F &&f) {
+    int64_t runs = threads > 1 ? (T < 4 * (int64_t)threads ? T : 4 * (int64_t)threads) : 1;
+    if (runs <= 1) {
+        if (T > 0) f((int64_t)0, T);
+        return;
+    }
+    parallel_for(runs, threads, [&](int64_t r, int) { f(T * r / runs, T * (r + 1) / runs); });
 }
 
 #define PARALLEL_MIN_WEIGHTS (1 << 16)  /* smaller weights take one thread: a fork costs about a microsecond */

@@ -25,20 +25,19 @@ static inline float rms_scale(const float *x, int64_t D, float eps) {
 void rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t T, int64_t D,
                   float eps) {
     int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * D >= PARALLEL_MIN_VALUES)
-#endif
-    for (int64_t t = 0; t < T; t++) {
-        const float *xt = x + t * ldx;
-        float *yt = y + t * ldy;
-        float r = rms_scale(xt, D, eps);
-        __m256 vr = _mm256_set1_ps(r);
-        int64_t d = 0;
-        for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(yt + d, _mm256_mul_ps(_mm256_loadu_ps(w + d), _mm256_mul_ps(_mm256_loadu_ps(xt + d), vr)));
-        for (; d < D; d++) yt[d] = w[d] * (xt[d] * r);
-    }
+    parallel_rows(T, T * D >= PARALLEL_MIN_VALUES ? nt : 1, [&](int64_t t1, int64_t t2) {
+        for (int64_t t = t1; t < t2; t++) {
+            const float *xt = x + t * ldx;
+            float *yt = y + t * ldy;
+            float r = rms_scale(xt, D, eps);
+            __m256 vr = _mm256_set1_ps(r);
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8)
+                _mm256_storeu_ps(yt + d,
+                                 _mm256_mul_ps(_mm256_loadu_ps(w + d), _mm256_mul_ps(_mm256_loadu_ps(xt + d), vr)));
+            for (; d < D; d++) yt[d] = w[d] * (xt[d] * r);
+        }
+    });
 }
 
 /* Rotary embedding of x [T, N, R] (strides ldx_t, ldx_n) by cos / sin [T, R/2] (contiguous) into
@@ -48,22 +47,20 @@ void rope_f32(const float *x, int64_t ldx_t, int64_t ldx_n, const float *cos_, c
               int64_t ldy_t, int64_t ldy_n, int64_t T, int64_t N, int64_t R, int64_t interleaved) {
     int64_t h = R / 2;
     int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * N * R >= PARALLEL_MIN_VALUES)
-#endif
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_ + t * h, *s = sin_ + t * h;
-        for (int64_t n = 0; n < N; n++) {
-            const float *xr = x + t * ldx_t + n * ldx_n;
-            float *yr = y + t * ldy_t + n * ldy_n;
-            for (int64_t i = 0; i < h; i++) {
-                float a = interleaved ? xr[2 * i] : xr[i], b = interleaved ? xr[2 * i + 1] : xr[i + h];
-                yr[i] = a * c[i] - b * s[i];
-                yr[i + h] = b * c[i] + a * s[i];
+    parallel_rows(T, T * N * R >= PARALLEL_MIN_VALUES ? nt : 1, [&](int64_t t1, int64_t t2) {
+        for (int64_t t = t1; t < t2; t++) {
+            const float *c = cos_ + t * h, *s = sin_ + t * h;
+            for (int64_t n = 0; n < N; n++) {
+                const float *xr = x + t * ldx_t + n * ldx_n;
+                float *yr = y + t * ldy_t + n * ldy_n;
+                for (int64_t i = 0; i < h; i++) {
+                    float a = interleaved ? xr[2 * i] : xr[i], b = interleaved ? xr[2 * i + 1] : xr[i + h];
+                    yr[i] = a * c[i] - b * s[i];
+                    yr[i + h] = b * c[i] + a * s[i];
+                }
             }
         }
-    }
+    });
 }
 
 /* logits[t, e] = x[t] . gate[e]: RT tokens by 4 experts at a time, their sums in registers, so each vector of x
@@ -80,41 +77,39 @@ static void router_logits(const float *x, int64_t ldx, const float *gate, int64_
                           float *logits) {
     int64_t blocks = (T + RT - 1) / RT;
     int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && blocks > 1 && T * E * H >= ROUTE_PARALLEL_MIN)
-#endif
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *xr[RT];
-        for (int i = 0; i < RT; i++) xr[i] = x + (b * RT + i < T ? b * RT + i : T - 1) * ldx;
-        for (int64_t e0 = 0; e0 < E; e0 += 4) {
-            const float *gr[4];
-            for (int j = 0; j < 4; j++) gr[j] = gate + (e0 + j < E ? e0 + j : E - 1) * H;
-            alignas(64) float sums[RT][4];
-            int64_t h = 0;
-            wvec acc[RT * 4];
-            for (int i = 0; i < RT * 4; i++) acc[i] = WZERO();
-            for (; h + WLANES <= H; h += WLANES) {
-                wvec g[4];
-                for (int j = 0; j < 4; j++) g[j] = WLOAD(gr[j] + h);
-                for (int i = 0; i < RT; i++) {
-                    wvec xv = WLOAD(xr[i] + h);
-                    for (int j = 0; j < 4; j++) acc[4 * i + j] = WFMA(xv, g[j], acc[4 * i + j]);
+    parallel_rows(blocks, T * E * H >= ROUTE_PARALLEL_MIN ? nt : 1, [&](int64_t b1, int64_t b2) {
+        for (int64_t b = b1; b < b2; b++) {
+            const float *xr[RT];
+            for (int i = 0; i < RT; i++) xr[i] = x + (b * RT + i < T ? b * RT + i : T - 1) * ldx;
+            for (int64_t e0 = 0; e0 < E; e0 += 4) {
+                const float *gr[4];
+                for (int j = 0; j < 4; j++) gr[j] = gate + (e0 + j < E ? e0 + j : E - 1) * H;
+                alignas(64) float sums[RT][4];
+                int64_t h = 0;
+                wvec acc[RT * 4];
+                for (int i = 0; i < RT * 4; i++) acc[i] = WZERO();
+                for (; h + WLANES <= H; h += WLANES) {
+                    wvec g[4];
+                    for (int j = 0; j < 4; j++) g[j] = WLOAD(gr[j] + h);
+                    for (int i = 0; i < RT; i++) {
+                        wvec xv = WLOAD(xr[i] + h);
+                        for (int j = 0; j < 4; j++) acc[4 * i + j] = WFMA(xv, g[j], acc[4 * i + j]);
+                    }
                 }
-            }
 #ifdef __AVX512F__
-            _mm512_store_ps(&sums[0][0], sum16x16(acc));  /* lane 4i + j: token i, expert j */
+                _mm512_store_ps(&sums[0][0], sum16x16(acc));  /* lane 4i + j: token i, expert j */
 #else
-            for (int i = 0; i < RT; i++)
-                for (int j = 0; j < 4; j++) sums[i][j] = hsum8(acc[4 * i + j]);
-#endif
-            for (; h < H; h++)
                 for (int i = 0; i < RT; i++)
-                    for (int j = 0; j < 4; j++) sums[i][j] += xr[i][h] * gr[j][h];
-            for (int i = 0; i < RT && b * RT + i < T; i++)
-                for (int j = 0; j < 4 && e0 + j < E; j++) logits[(b * RT + i) * E + e0 + j] = sums[i][j];
+                    for (int j = 0; j < 4; j++) sums[i][j] = hsum8(acc[4 * i + j]);
+#endif
+                for (; h < H; h++)
+                    for (int i = 0; i < RT; i++)
+                        for (int j = 0; j < 4; j++) sums[i][j] += xr[i][h] * gr[j][h];
+                for (int i = 0; i < RT && b * RT + i < T; i++)
+                    for (int j = 0; j < 4 && e0 + j < E; j++) logits[(b * RT + i) * E + e0 + j] = sums[i][j];
+            }
         }
-    }
+    });
 }
 
 /* One token's choice from its logits [E] (turned into its scores in place); c [E], gs [G] scratch. */
@@ -174,14 +169,11 @@ void route_noaux_tc_f32(const float *x, int64_t ldx, const float *gate, int64_t 
     }
     router_logits(x, ldx, gate, H, T, E, s);
     int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * E * H >= ROUTE_PARALLEL_MIN)
-#endif
-    for (int64_t t = 0; t < T; t++) {
+    parallel_rows(T, T * E * H >= ROUTE_PARALLEL_MIN ? nt : 1, [&](int64_t t1, int64_t t2) {
         float c[E], gs[G];
-        route_one(s + t * E, bias, E, G, topk_group, K, norm, scale, c, gs, ids + t * K, wts + t * K);
-    }
+        for (int64_t t = t1; t < t2; t++)
+            route_one(s + t * E, bias, E, G, topk_group, K, norm, scale, c, gs, ids + t * K, wts + t * K);
+    });
 }
 
 /* MLA's cache write: row t of kv [T, C + R] (row stride ldkv; kv_a_proj_with_mqa's output) becomes
@@ -192,20 +184,18 @@ void mla_cache_write_bf16(const float *kv, int64_t ldkv, const float *norm_w, fl
                           int64_t C, int64_t R) {
     int64_t D = C + R, h = R / 2;
     int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * D >= PARALLEL_MIN_VALUES)
-#endif
-    for (int64_t t = 0; t < T; t++) {
-        const float *x = kv + t * ldkv;
-        uint16_t *row = cache + slots[t] * D;
-        float r = rms_scale(x, C, eps);
-        for (int64_t c = 0; c < C; c++) row[c] = f32_to_bf16(norm_w[c] * (x[c] * r));
-        const float *pe = x + C, *cs = cos_ + t * h, *sn = sin_ + t * h;
-        for (int64_t i = 0; i < h; i++) {
-            float a = interleaved ? pe[2 * i] : pe[i], b = interleaved ? pe[2 * i + 1] : pe[i + h];
-            row[C + i] = f32_to_bf16(a * cs[i] - b * sn[i]);
-            row[C + h + i] = f32_to_bf16(b * cs[i] + a * sn[i]);
+    parallel_rows(T, T * D >= PARALLEL_MIN_VALUES ? nt : 1, [&](int64_t t1, int64_t t2) {
+        for (int64_t t = t1; t < t2; t++) {
+            const float *x = kv + t * ldkv;
+            uint16_t *row = cache + slots[t] * D;
+            float r = rms_scale(x, C, eps);
+            for (int64_t c = 0; c < C; c++) row[c] = f32_to_bf16(norm_w[c] * (x[c] * r));
+            const float *pe = x + C, *cs = cos_ + t * h, *sn = sin_ + t * h;
+            for (int64_t i = 0; i < h; i++) {
+                float a = interleaved ? pe[2 * i] : pe[i], b = interleaved ? pe[2 * i + 1] : pe[i + h];
+                row[C + i] = f32_to_bf16(a * cs[i] - b * sn[i]);
+                row[C + h + i] = f32_to_bf16(b * cs[i] + a * sn[i]);
+            }
         }
-    }
+    });
 }

@@ -19,18 +19,16 @@
 /* x[t, :H] += y[t, :H] for T rows (both contiguous) */
 static void add_into(float *x, const float *y, int64_t T, int64_t H) {
     int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && T > 1 && T * H >= PARALLEL_MIN_VALUES)
-#endif
-    for (int64_t t = 0; t < T; t++) {
-        float *xt = x + t * H;
-        const float *yt = y + t * H;
-        int64_t i = 0;
-        for (; i + 8 <= H; i += 8)
-            _mm256_storeu_ps(xt + i, _mm256_add_ps(_mm256_loadu_ps(xt + i), _mm256_loadu_ps(yt + i)));
-        for (; i < H; i++) xt[i] += yt[i];
-    }
+    parallel_rows(T, T * H >= PARALLEL_MIN_VALUES ? nt : 1, [&](int64_t t1, int64_t t2) {
+        for (int64_t t = t1; t < t2; t++) {
+            float *xt = x + t * H;
+            const float *yt = y + t * H;
+            int64_t i = 0;
+            for (; i + 8 <= H; i += 8)
+                _mm256_storeu_ps(xt + i, _mm256_add_ps(_mm256_loadu_ps(xt + i), _mm256_loadu_ps(yt + i)));
+            for (; i < H; i++) xt[i] += yt[i];
+        }
+    });
 }
 
 /* Query rows the attention half of the layer takes at a time: a prompt of many rows goes through it in blocks,
@@ -38,8 +36,8 @@ static void add_into(float *x, const float *y, int64_t T, int64_t H) {
  * the cache between the products, instead of streaming through memory once per product. */
 #define ATTENTION_ROWS 256
 /* With several threads and at least twice this many rows, each thread takes whole blocks of about this many rows
- * through the attention half on its own (its kernels on one thread): two barriers a layer's attention instead of
- * one or two per op, and no op's rows split thinner than a block. */
+ * through the attention half on its own (its kernels on one thread): two parallel loops a layer's attention
+ * instead of one or two per op, and no op's rows split thinner than a block. */
 #define THREAD_BLOCK_ROWS 128
 
 /* Floats of a block's intermediates per row: attention_out's (attention_kv's C + R of kv fit in its N (C + R)) */
@@ -95,27 +93,16 @@ static int attention_by_thread(const DecodeLayer *w, float *x, int64_t T, int64_
                                const int64_t *tables, int64_t ld_t, const int64_t *lens, float *h, float *scratch,
                                int64_t rows_per_block, size_t area) {
     int64_t blocks = (T + rows_per_block - 1) / rows_per_block, failed = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads((int)nt)
-#endif
-    {
-        float *mine = scratch + (size_t)thread_index() * area;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t t0 = b * rows_per_block, n = T - t0 < rows_per_block ? T - t0 : rows_per_block;
-            attention_kv(w, x, t0, n, cos_, sin_, cache, slots, h + t0 * w->H, mine);
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t t0 = b * rows_per_block, n = T - t0 < rows_per_block ? T - t0 : rows_per_block;
-            if (attention_out(w, x, t0, n, cos_, sin_, cache, bs, NULL, tables, ld_t, lens, h + t0 * w->H, mine))
-                failed = 1;
-        }
-    }
+    parallel_for(blocks, (int)nt, [&](int64_t b, int slot) {
+        int64_t t0 = b * rows_per_block, n = T - t0 < rows_per_block ? T - t0 : rows_per_block;
+        attention_kv(w, x, t0, n, cos_, sin_, cache, slots, h + t0 * w->H, scratch + (size_t)slot * area);
+    });
+    parallel_for(blocks, (int)nt, [&](int64_t b, int slot) {
+        int64_t t0 = b * rows_per_block, n = T - t0 < rows_per_block ? T - t0 : rows_per_block;
+        if (attention_out(w, x, t0, n, cos_, sin_, cache, bs, NULL, tables, ld_t, lens, h + t0 * w->H,
+                          scratch + (size_t)slot * area))
+            failed = 1;
+    });
     return failed ? -1 : 0;
 }
 

@@ -14,12 +14,14 @@
  * rows), transposed the same way into y. The x rows go in passes whose packed pairs stay in L2; in each, a thread
  * takes 32 weight rows at a time against all the pass's rows (two A tiles, two B tiles, four C tiles). With at
  * most STREAM_ROWS x rows (decode batches, an expert's rows) each weight byte is used once, read from memory:
- * a thread then takes a contiguous run of weight rows and fetches the next 32 rows into L2 while it multiplies
- * these, which the hardware prefetcher does not do for 32 short strided runs (decode at 32 running 5-8%
- * faster, docs/benchmarks.md). Shapes the tiles do not cover (O not a multiple of 16, K not one of 32, FP8
- * weights) return 0 and the float32 kernel runs.
+ * a thread takes a run of weight rows and fetches the next 32 rows into L2 while it multiplies these, which the
+ * hardware prefetcher does not do for 32 short strided runs (decode at 32 running 5-8% faster,
+ * docs/benchmarks.md); with its run done it takes rows from the others' runs. Shapes the tiles do not cover (O
+ * not a multiple of 16, K not one of 32, FP8 weights) return 0 and the float32 kernel runs.
  */
 #include <string.h>
+
+#include <atomic>
 
 #include "bf16w.h"
 #include "pack_bf16.h"
@@ -38,6 +40,7 @@ static int64_t tile_rows;  /* 0: off */
 #define EXPERT_TILE_ROWS 8
 /* Products of at most this many x rows (decode batches) stream their weight (see linear_tiles_min) */
 #define STREAM_ROWS 64
+#define MAX_STREAM_RUNS 64  /* runs of blocks at most (one a thread) */
 
 /* c [16 weight rows][16 x rows] (a C tile) into y rows m0.. (< M), columns o0..o0 + 16 */
 static inline void store_transposed(const float *c, float *y, int64_t ldy, int64_t m0, int64_t M, int64_t o0) {
@@ -113,40 +116,42 @@ int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int
     int64_t pass = ((256 << 10) / K) & ~(int64_t)31;
     if (pass < 32) pass = 32;
     int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt) if (nt > 1 && (blocks > 1 || Mp > 16) && O * K >= PARALLEL_MIN_WEIGHTS)
-#endif
-    {
-        tiles_on();
-        pack_x(x, ldx, M, Mp, K, xp);  /* by all the threads */
-        if (Mp <= STREAM_ROWS) {
-            /* few x rows: each weight row is used once and read from memory; a thread takes a contiguous run of
-             * blocks and fetches the next block's rows while it multiplies this one's */
-            int nth = team_threads(), t = thread_index();
-            int64_t b1 = blocks * t / nth, b2 = blocks * (t + 1) / nth;
-            for (int64_t b = b1; b < b2; b++) {
-                const uint16_t *next = b + 1 < b2 && O - 32 * (b + 1) >= 32 ? wd + 32 * (b + 1) * ldw : NULL;
-                if (O - 32 * b >= 32)
-                    weight_rows<2>(wd, ldw, xp, 0, Mp, M, K, 32 * b, y, ldy, next);
-                else
-                    weight_rows<1>(wd, ldw, xp, 0, Mp, M, K, 32 * b, y, ldy, NULL);
-            }
-        } else {
-            for (int64_t m1 = 0; m1 < Mp; m1 += pass) {
-                int64_t m2 = Mp - m1 < pass ? Mp : m1 + pass;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1) nowait
-#endif
-                for (int64_t b = 0; b < blocks; b++) {
+    int threads = O * K >= PARALLEL_MIN_WEIGHTS ? nt : 1;
+    pack_x(x, ldx, M, Mp, K, xp, threads);
+    if (Mp <= STREAM_ROWS) {
+        /* few x rows: each weight row is used once and read from memory. Thread r starts on run r of the blocks
+         * (contiguous runs, one a thread) and fetches the next block's rows while this one's multiply; with its
+         * run done it takes blocks from the others' (one whose thread is preempted is finished by the rest). */
+        int64_t runs = threads < blocks ? threads : blocks;
+        std::atomic<int64_t> next[MAX_STREAM_RUNS];
+        if (runs > MAX_STREAM_RUNS) runs = MAX_STREAM_RUNS;
+        for (int64_t r = 0; r < runs; r++) next[r].store(blocks * r / runs, std::memory_order_relaxed);
+        parallel_for(runs, threads, [&](int64_t r0, int) {
+            tiles_on();
+            for (int64_t k = 0; k < runs; k++) {
+                int64_t r = (r0 + k) % runs, end = blocks * (r + 1) / runs;
+                for (int64_t b; (b = next[r].fetch_add(1, std::memory_order_relaxed)) < end;) {
+                    const uint16_t *next_w = b + 1 < end && O - 32 * (b + 1) >= 32 ? wd + 32 * (b + 1) * ldw : NULL;
                     if (O - 32 * b >= 32)
-                        weight_rows<2>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy, NULL);
+                        weight_rows<2>(wd, ldw, xp, 0, Mp, M, K, 32 * b, y, ldy, next_w);
                     else
-                        weight_rows<1>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy, NULL);
+                        weight_rows<1>(wd, ldw, xp, 0, Mp, M, K, 32 * b, y, ldy, NULL);
                 }
             }
-        }
-        _tile_release();
+            _tile_release();
+        });
+    } else {
+        /* an item is one block of weight rows against one pass's x rows, passes in order */
+        int64_t passes = (Mp + pass - 1) / pass;
+        parallel_for(passes * blocks, threads, [&](int64_t i, int) {
+            int64_t b = i % blocks, m1 = i / blocks * pass, m2 = Mp - m1 < pass ? Mp : m1 + pass;
+            tiles_on();
+            if (O - 32 * b >= 32)
+                weight_rows<2>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy, NULL);
+            else
+                weight_rows<1>(wd, ldw, xp, m1, m2, M, K, 32 * b, y, ldy, NULL);
+            _tile_release();
+        });
     }
     return 1;
 }

@@ -117,16 +117,15 @@ void linear_w(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ld
     if (linear_tiles(x, ldx, w, y, ldy, M, K, O)) return;  /* the AMX build, enough rows: linear_amx.cpp */
     int nt = threads_for_region();
     if (nt > 1 && O >= 16 && O * K >= PARALLEL_MIN_WEIGHTS) {
-#ifdef _OPENMP
         /* runs of weight rows (multiples of 8, about 8 per thread) handed out as threads come free: a thread
          * that another process preempts holds up the others by one run, not by its whole share */
         int64_t run = (O / (8 * nt) + 7) & ~(int64_t)7;
         if (run < 16) run = 16;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t o0 = 0; o0 < O; o0 += run)
+        parallel_for((O + run - 1) / run, nt, [&](int64_t r, int) {
+            int64_t o0 = r * run;
             linear_serial(x, ldx, w, o0, y + o0, ldy, M, K, O - o0 < run ? O - o0 : run);
+        });
         return;
-#endif
     }
     linear_serial(x, ldx, w, 0, y, ldy, M, K, O);
 }
@@ -141,14 +140,9 @@ void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, f
  * and y + b * bsy, its weight is weight_at(*w, b). */
 void linear_w_batched(const float *x, int64_t ldx, int64_t bsx, const Weight *w, float *y, int64_t ldy, int64_t bsy,
                       int64_t M, int64_t K, int64_t O, int64_t batch) {
-    int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) if (nt > 1 && batch > 1)
-#endif
-    for (int64_t b = 0; b < batch; b++) {
+    parallel_for(batch, threads_for_region(), [&](int64_t b, int) {
         Weight wb = weight_at(*w, b);
         if (!linear_tiles(x + b * bsx, ldx, &wb, y + b * bsy, ldy, M, K, O))  /* bf16 products: as linear_w */
             linear_serial(x + b * bsx, ldx, &wb, 0, y + b * bsy, ldy, M, K, O);
-    }
+    });
 }

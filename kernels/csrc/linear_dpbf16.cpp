@@ -71,35 +71,26 @@ int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int
     if (!xp) return 0;
     const uint16_t *wd = (const uint16_t *)w->data;
     int64_t ldw = w->ld, blocks = (O + 31) / 32;
-    int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt) if (nt > 1 && blocks > 1 && O * K >= PARALLEL_MIN_WEIGHTS)
-#endif
-    {
-        pack_x(x, ldx, M, Mp, K, xp);  /* by all the threads */
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t ob = 32 * b, width = O - ob < 32 ? O - ob : 32;
-            alignas(64) float c[48 * 32]; /* the block's y for 48 x rows, copied out a row at a time */
-            for (int64_t m0 = 0; m0 < Mp; m0 += 48) { /* 48 x rows stay in cache for the block's weight rows */
-                int64_t left = (Mp - m0) / 16;
-                if (left == 1) /* 16 x rows: 16 weight rows a step, so 16 sums are in flight */
-                    for (int oc = 0; oc < width; oc += 16) rows_block<16, 1>(wd, ldw, xp, K, m0, ob + oc, c, oc);
-                else
-                    for (int oc = 0; oc < width; oc += 8) {
-                        if (left >= 3)
-                            rows_block<8, 3>(wd, ldw, xp, K, m0, ob + oc, c, oc);
-                        else
-                            rows_block<8, 2>(wd, ldw, xp, K, m0, ob + oc, c, oc);
-                    }
-                for (int64_t m = m0; m < M && m < m0 + 48; m++)
-                    memcpy(y + m * ldy + ob, c + (m - m0) * 32, (size_t)width * sizeof(float));
-            }
+    int threads = blocks > 1 && O * K >= PARALLEL_MIN_WEIGHTS ? threads_for_region() : 1;
+    pack_x(x, ldx, M, Mp, K, xp, threads);
+    parallel_for(blocks, threads, [&](int64_t b, int) {
+        int64_t ob = 32 * b, width = O - ob < 32 ? O - ob : 32;
+        alignas(64) float c[48 * 32]; /* the block's y for 48 x rows, copied out a row at a time */
+        for (int64_t m0 = 0; m0 < Mp; m0 += 48) { /* 48 x rows stay in cache for the block's weight rows */
+            int64_t left = (Mp - m0) / 16;
+            if (left == 1) /* 16 x rows: 16 weight rows a step, so 16 sums are in flight */
+                for (int oc = 0; oc < width; oc += 16) rows_block<16, 1>(wd, ldw, xp, K, m0, ob + oc, c, oc);
+            else
+                for (int oc = 0; oc < width; oc += 8) {
+                    if (left >= 3)
+                        rows_block<8, 3>(wd, ldw, xp, K, m0, ob + oc, c, oc);
+                    else
+                        rows_block<8, 2>(wd, ldw, xp, K, m0, ob + oc, c, oc);
+                }
+            for (int64_t m = m0; m < M && m < m0 + 48; m++)
+                memcpy(y + m * ldy + ob, c + (m - m0) * 32, (size_t)width * sizeof(float));
         }
-    }
+    });
     return 1;
 }
 

@@ -284,18 +284,13 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
     else
         U = B;
     int64_t failed = 0;
-    int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && U > 1)
-#endif
-    for (int64_t u = 0; u < U; u++) {
+    parallel_for(U, threads_for_region(), [&](int64_t u, int) {
         int64_t b = units ? units[u] / 2 : u, c = b + 1;
         if (!units || units[u] % 2 == 0) {
             if (one_seq(q, ldq_b, ldq_n, cache, bs, D, tables, ld_t, lens, out, ldo_b, ldo_n, b, N, C, scale, qrows,
                         dp))
                 failed = 1;
-            continue;
+            return;
         }
         /* the pass reads the longer context's table (the same blocks as the shorter one's, as far as it goes) */
         const int64_t *table = tables + (lens[c] > lens[b] ? c : b) * ld_t;
@@ -307,7 +302,7 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
                                          one_seq(q, ldq_b, ldq_n, cache, bs, D, tables, ld_t, lens, out, ldo_b, ldo_n,
                                                  c, N, C, scale, qrows, dp))))
             failed = 1;
-    }
+    });
     free(units);
     return failed ? -1 : 0;
 }

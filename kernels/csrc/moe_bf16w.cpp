@@ -110,7 +110,7 @@ int64_t moe_w(const float *x, int64_t ldx, int64_t T, int64_t H, const Weight *w
     int nt = threads_for_region();
     size_t pair_bytes = (size_t)(N + (sw13 ? T : 0)) * (size_t)H * sizeof(float);
     size_t head = (size_t)(E + 1 + N + 2 * max_items) * sizeof(int64_t);
-    /* With several threads and several items each, threads take whole items (dynamic schedule): each writes
+    /* With several threads and several items each, threads take whole items as they come free: each writes
      * its pairs' outputs to their own rows of a pair buffer, summed per token afterwards in a fixed order, so
      * results do not depend on which thread took what. Otherwise items go in turn and each product splits
      * its weight rows over the threads (decode: a few rows per expert). */
@@ -156,28 +156,19 @@ int64_t moe_w(const float *x, int64_t ldx, int64_t T, int64_t H, const Weight *w
 
     float *pairs = area;  /* [N + T, H]: output of pair i in row i, the shared expert's of token t in row N + t */
     char *works = (char *)(((uintptr_t)(pairs + (size_t)(N + (sw13 ? T : 0)) * H) + 63) & ~(uintptr_t)63);
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-#endif
-    {
-        float *xg = (float *)(works + (size_t)thread_index() * (work + 64)), *h = xg + rows * H;
+    parallel_for(items, nt, [&](int64_t it, int slot) {
+        float *xg = (float *)(works + (size_t)slot * (work + 64)), *h = xg + rows * H;
         float *y = h + rows * 2 * Imax;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t it = 0; it < items; it++) {
-            int64_t R = run_item(&job, it, xg, h, y), r0 = item_r[it];
-            for (int64_t r = 0; r < R; r++)
-                memcpy(pairs + (item_e[it] < 0 ? N + r0 + r : order[r0 + r]) * H, y + r * H, H * sizeof(float));
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (int64_t t = 0; t < T; t++) {  /* per token: its slots in order, then the shared expert */
+        int64_t R = run_item(&job, it, xg, h, y), r0 = item_r[it];
+        for (int64_t r = 0; r < R; r++)
+            memcpy(pairs + (item_e[it] < 0 ? N + r0 + r : order[r0 + r]) * H, y + r * H, H * sizeof(float));
+    });
+    parallel_rows(T, T * (K + 1) * H >= PARALLEL_MIN_VALUES ? nt : 1, [&](int64_t t1, int64_t t2) {
+        for (int64_t t = t1; t < t2; t++) {  /* per token: its slots in order, then the shared expert */
             for (int64_t k = 0; k < K; k++)
                 if (ids[t * K + k] >= 0) add_scaled(out + t * H, pairs + (t * K + k) * H, wts[t * K + k], H);
             if (sw13) add_scaled(out + t * H, pairs + (N + t) * H, 1.0f, H);
         }
-    }
+    });
     return 0;
 }

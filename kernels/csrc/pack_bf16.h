@@ -79,13 +79,11 @@ static inline uint32_t *packed_x_for(const Weight *w, int64_t M, int64_t K, int6
 
 /* x packed into xp in blocks of 16 rows, each [K / 2, 16] pairs (block m0 / 16 at xp + m0 K / 2), so that the
  * 16 rows' pairs at one k are one vector and a block's vectors follow one another (one [K / 2, Mp] array put
- * the vectors of successive k Mp x 4 bytes apart: at Mp = 2048, all in one L1 set). Called inside a parallel
- * region, the threads share the blocks (an orphaned `omp for`, with its barrier); outside one, one thread. */
-static inline void pack_x(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xp) {
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (int64_t m0 = 0; m0 < Mp; m0 += 16) pack_x_rows(x, ldx, M, K, m0, xp + m0 * (K / 2));
+ * the vectors of successive k Mp x 4 bytes apart: at Mp = 2048, all in one L1 set). The blocks are split over
+ * up to `threads` threads where there are enough values to pay for it. */
+static inline void pack_x(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xp, int threads) {
+    parallel_for(Mp / 16, Mp * K >= PARALLEL_MIN_VALUES ? threads : 1,
+                 [&](int64_t i, int) { pack_x_rows(x, ldx, M, K, 16 * i, xp + 16 * i * (K / 2)); });
 }
 #endif
 #endif

@@ -10,38 +10,35 @@
 /* In place, on s [R, P] float32 (row stride lds): row r sees its first min(P, seen0 + r % per) keys (a block of
  * `per` queries of one head, the first seeing seen0 keys: causal); those become their softmax, the others 0. */
 void causal_softmax_f32(float *s, int64_t lds, int64_t R, int64_t P, int64_t per, int64_t seen0) {
-    int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && R * P >= (1 << 15))
-#endif
-    for (int64_t r = 0; r < R; r++) {
-        float *row = s + r * lds;
-        int64_t n = seen0 + r % per < P ? seen0 + r % per : P, l = 0;
-        __m256 vmx = _mm256_set1_ps(-INFINITY);
-        for (; l + 8 <= n; l += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(row + l));
-        float mx = -INFINITY;
-        for (int i = 0; i < 8; i++) mx = vmx[i] > mx ? vmx[i] : mx;
-        for (; l < n; l++) mx = row[l] > mx ? row[l] : mx;
-        __m256 sum8 = _mm256_setzero_ps();
-        vmx = _mm256_set1_ps(mx);
-        for (l = 0; l + 8 <= n; l += 8) {
-            __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(row + l), vmx));
-            _mm256_storeu_ps(row + l, e);
-            sum8 = _mm256_add_ps(sum8, e);
+    parallel_rows(R, R * P >= (1 << 15) ? threads_for_region() : 1, [&](int64_t r1, int64_t r2) {
+        for (int64_t r = r1; r < r2; r++) {
+            float *row = s + r * lds;
+            int64_t n = seen0 + r % per < P ? seen0 + r % per : P, l = 0;
+            __m256 vmx = _mm256_set1_ps(-INFINITY);
+            for (; l + 8 <= n; l += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(row + l));
+            float mx = -INFINITY;
+            for (int i = 0; i < 8; i++) mx = vmx[i] > mx ? vmx[i] : mx;
+            for (; l < n; l++) mx = row[l] > mx ? row[l] : mx;
+            __m256 sum8 = _mm256_setzero_ps();
+            vmx = _mm256_set1_ps(mx);
+            for (l = 0; l + 8 <= n; l += 8) {
+                __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(row + l), vmx));
+                _mm256_storeu_ps(row + l, e);
+                sum8 = _mm256_add_ps(sum8, e);
+            }
+            float sum = hsum8(sum8);
+            if (l < n) {  /* the tail through one padded vector: -100 below the max gives 0 */
+                alignas(32) float tail[8];
+                for (int i = 0; i < 8; i++) tail[i] = l + i < n ? row[l + i] - mx : -100.0f;
+                _mm256_store_ps(tail, exp_neg(_mm256_load_ps(tail)));
+                for (int i = 0; l + i < n; i++) { row[l + i] = tail[i]; sum += tail[i]; }
+            }
+            __m256 inv = _mm256_set1_ps(1.0f / sum);
+            for (l = 0; l + 8 <= n; l += 8) _mm256_storeu_ps(row + l, _mm256_mul_ps(_mm256_loadu_ps(row + l), inv));
+            for (; l < n; l++) row[l] *= 1.0f / sum;
+            for (; l < P; l++) row[l] = 0.0f;
         }
-        float sum = hsum8(sum8);
-        if (l < n) {  /* the tail through one padded vector: -100 below the max gives 0 */
-            alignas(32) float tail[8];
-            for (int i = 0; i < 8; i++) tail[i] = l + i < n ? row[l + i] - mx : -100.0f;
-            _mm256_store_ps(tail, exp_neg(_mm256_load_ps(tail)));
-            for (int i = 0; l + i < n; i++) { row[l + i] = tail[i]; sum += tail[i]; }
-        }
-        __m256 inv = _mm256_set1_ps(1.0f / sum);
-        for (l = 0; l + 8 <= n; l += 8) _mm256_storeu_ps(row + l, _mm256_mul_ps(_mm256_loadu_ps(row + l), inv));
-        for (; l < n; l++) row[l] *= 1.0f / sum;
-        for (; l < P; l++) row[l] = 0.0f;
-    }
+    });
 }
 
 /* r[j] <- lane j of r[0..8): an 8 x 8 transpose */
@@ -77,12 +74,7 @@ static inline __m128i bf16x8(__m256 x) {
  * transposed in registers. */
 void values_t_bf16(const float *v, int64_t ldv_n, int64_t ldv_l, int64_t N, int64_t L, int64_t V, uint16_t *out,
                    int64_t Vp, int64_t Lp) {
-    int nt = threads_for_region();
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N > 1 && N * L * V >= (1 << 15))
-#endif
-    for (int64_t n = 0; n < N; n++) {
+    parallel_for(N, N * L * V >= (1 << 15) ? threads_for_region() : 1, [&](int64_t n, int) {
         uint16_t *o = out + n * Vp * Lp;
         for (int64_t c = V; c < Vp; c++) memset(o + c * Lp, 0, (size_t)Lp * sizeof(uint16_t));
         for (int64_t l0 = 0; l0 < Lp; l0 += 32) {  /* 32 keys: a whole cache line of each output row */
@@ -100,5 +92,5 @@ void values_t_bf16(const float *v, int64_t ldv_n, int64_t ldv_l, int64_t N, int6
             for (; c < V; c++)
                 for (int64_t i = 0; i < keys; i++) o[c * Lp + l0 + i] = i < m ? f32_to_bf16(rows[i * ldv_l + c]) : 0;
         }
-    }
+    });
 }

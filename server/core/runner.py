@@ -202,7 +202,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Runs the step (an empty one is a dummy batch that still takes part in every collective).
+        """Runs the step (an empty one is a dummy batch that still takes part in every collective), its ops on the
+        threads the kernel backend chooses for a step (kernels/ops.py step_threads)."""
+        with ops.step_threads():
+            return self._execute(sched)
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
+        """The step's micro-batches through the model, and their samples.
 
         Under pipeline parallelism the step is cut into as many micro-batches as there are stages:
         a stage sends micro-batch m on without waiting and computes m + 1 while the next stage
