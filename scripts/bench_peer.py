@@ -134,7 +134,7 @@ def vllm_client_run(spec: "EngineSpec", rate: float, args: argparse.Namespace, o
            "--seed", str(args.seed), "--request-rate", str(rate), "--ignore-eos",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--goodput", f"ttft:{args.ttft_ms:g}", f"tpot:{args.tpot_ms:g}", "--disable-tqdm",
-           "--save-result", "--result-dir", str(result_dir), "--result-filename", name]
+           "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", name]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
     timeout = args.max_seconds_per_rate + args.request_timeout_s + 120
     r = subprocess.run(cmd, cwd=result_dir, capture_output=True, text=True, timeout=timeout, env=env)
