@@ -101,7 +101,7 @@ static int attention_by_thread(const DecodeLayer *w, float *x, int64_t T, int64_
         int64_t t0 = b * rows_per_block, n = T - t0 < rows_per_block ? T - t0 : rows_per_block;
         if (attention_out(w, x, t0, n, cos_, sin_, cache, bs, NULL, tables, ld_t, lens, h + t0 * w->H,
                           scratch + (size_t)slot * area))
-            failed = 1;
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);  /* by any thread */
     });
     return failed ? -1 : 0;
 }

@@ -289,7 +289,7 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
         if (!units || units[u] % 2 == 0) {
             if (one_seq(q, ldq_b, ldq_n, cache, bs, D, tables, ld_t, lens, out, ldo_b, ldo_n, b, N, C, scale, qrows,
                         dp))
-                failed = 1;
+                __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);  /* by any thread */
             return;
         }
         /* the pass reads the longer context's table (the same blocks as the shorter one's, as far as it goes) */
@@ -301,7 +301,7 @@ int64_t mla_decode_bf16(const float *q, int64_t ldq_b, int64_t ldq_n, const uint
                                                  b, N, C, scale, qrows, dp) ||
                                          one_seq(q, ldq_b, ldq_n, cache, bs, D, tables, ld_t, lens, out, ldo_b, ldo_n,
                                                  c, N, C, scale, qrows, dp))))
-            failed = 1;
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);  /* by any thread */
     });
     free(units);
     return failed ? -1 : 0;
