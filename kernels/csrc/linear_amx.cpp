@@ -123,8 +123,8 @@ int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int
          * (contiguous runs, one a thread) and fetches the next block's rows while this one's multiply; with its
          * run done it takes blocks from the others' (one whose thread is preempted is finished by the rest). */
         int64_t runs = threads < blocks ? threads : blocks;
-        std::atomic<int64_t> next[MAX_STREAM_RUNS];
         if (runs > MAX_STREAM_RUNS) runs = MAX_STREAM_RUNS;
+        std::atomic<int64_t> next[MAX_STREAM_RUNS];
         for (int64_t r = 0; r < runs; r++) next[r].store(blocks * r / runs, std::memory_order_relaxed);
         parallel_for(runs, threads, [&](int64_t r0, int) {
             tiles_on();
