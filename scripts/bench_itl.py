@@ -14,6 +14,10 @@ tokens per second, and the steps: how many carried prompt tokens, and the median
 floor_ratio is p99 / p50 of the gaps that steps without prompt tokens make (one per token they give): what the
 changing number of running streams alone does to inter-token latency, the part no prefill scheduling removes.
 
+`--burn 200:1000 200:1300` runs, beside the engine, one process per pair that busy-loops for the first number
+of microseconds and sleeps for the second, over and over (about 0.35 of a core for these two): contention like
+a server's front end and its clients, without their HTTP.
+
 A setting is comma-separated key=value: budget (max_num_batched_tokens), spread (prompt_spread_ms), seqs
 (max_num_seqs), minchunk (min_prompt_chunk). Settings and rates alternate in rounds (--repeats); medians over
 the rounds.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -105,6 +110,22 @@ def replay(engine, requests, output_len: int) -> dict:
             "step_prompt_ms": percentile(with_prompt, 50) * 1e3, "step_decode_ms": percentile(without, 50) * 1e3}
 
 
+BURNER = ("import sys, time\nbusy, rest = int(sys.argv[1]) / 1e6, int(sys.argv[2]) / 1e6\n"
+          "while True:\n    t = time.perf_counter()\n    while time.perf_counter() - t < busy:\n        pass\n"
+          "    time.sleep(rest)\n")
+
+
+def start_burners(specs: list[str]) -> list[subprocess.Popen]:
+    """One busy-loop process per "busy_us:sleep_us" (see the module's doc)."""
+    procs = []
+    for spec in specs:
+        busy, _, rest = spec.partition(":")
+        if not (busy.isdigit() and rest.isdigit()):
+            raise SystemExit(f"bad --burn {spec!r}: use busy_us:sleep_us, e.g. 200:1000")
+        procs.append(subprocess.Popen([sys.executable, "-c", BURNER, busy, rest]))
+    return procs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=".cache/bench")
@@ -116,6 +137,8 @@ def main() -> None:
     ap.add_argument("--range-ratio", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--burn", nargs="*", default=[], metavar="BUSY_US:SLEEP_US",
+                    help="busy-loop processes beside the engine while it is measured")
     args = ap.parse_args()
     if args.model == ".cache/bench":
         ensure_checkpoint(Path(args.model), "bench")
@@ -130,14 +153,22 @@ def main() -> None:
         replay(engine, warm, 8)
     print(f"{args.model}, {torch.get_num_threads()} thread(s), {args.num_prompts} requests per rate, prompts "
           f"{args.input_len} x [1 +- {args.range_ratio}], {args.output_len} new tokens; medians of {args.repeats}")
+    if args.burn:
+        print(f"beside busy-loop processes (busy us:sleep us): {' '.join(args.burn)}")
     results: dict[tuple, list[dict]] = {}
-    for rnd in range(args.repeats):
-        order = settings if rnd % 2 == 0 else settings[::-1]
-        for rate in args.rates:
-            reqs = make_requests(args.num_prompts, rate, args.input_len, args.output_len, args.range_ratio, vocab,
-                                 args.seed + (int(rate * 100) if rate != float("inf") else 99_999) + 1000 * rnd)
-            for text, _ in order:
-                results.setdefault((text, rate), []).append(replay(engines[text], reqs, args.output_len))
+    burners = start_burners(args.burn)
+    try:
+        for rnd in range(args.repeats):
+            order = settings if rnd % 2 == 0 else settings[::-1]
+            for rate in args.rates:
+                reqs = make_requests(args.num_prompts, rate, args.input_len, args.output_len, args.range_ratio, vocab,
+                                     args.seed + (int(rate * 100) if rate != float("inf") else 99_999) + 1000 * rnd)
+                for text, _ in order:
+                    results.setdefault((text, rate), []).append(replay(engines[text], reqs, args.output_len))
+    finally:
+        for proc in burners:
+            proc.kill()
+            proc.wait()
     cols = ["ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "itl_p99", "ratio", "floor_ratio", "tok_s", "prompt_steps",
             "steps", "step_prompt_ms", "step_decode_ms"]
     print("| setting | rate | " + " | ".join(cols) + " |")
