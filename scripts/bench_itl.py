@@ -19,7 +19,7 @@ of microseconds and sleeps for the second, over and over (about 0.35 of a core f
 a server's front end and its clients, without their HTTP.
 
 A setting is comma-separated key=value: budget (max_num_batched_tokens), spread (prompt_spread_ms), seqs
-(max_num_seqs), minchunk (min_prompt_chunk). Settings and rates alternate in rounds (--repeats); medians over
+(max_num_seqs), minchunk (min_prompt_chunk), slowdown (prompt_slowdown). Settings and rates alternate in rounds (--repeats); medians over
 the rounds.
 """
 
@@ -43,8 +43,9 @@ from moe_serve.server import LLM, SamplingParams  # noqa: E402
 from moe_serve.server.tools.bench import percentile  # noqa: E402
 
 KEYS = {"budget": "max_num_batched_tokens", "spread": "prompt_spread_ms", "seqs": "max_num_seqs",
-        "minchunk": "min_prompt_chunk"}
-DEFAULTS = {"max_num_batched_tokens": 256, "prompt_spread_ms": 0.0, "max_num_seqs": 64, "min_prompt_chunk": 16}
+        "minchunk": "min_prompt_chunk", "slowdown": "prompt_slowdown"}
+DEFAULTS = {"max_num_batched_tokens": 256, "prompt_spread_ms": 0.0, "max_num_seqs": 64, "min_prompt_chunk": 16,
+            "prompt_slowdown": 0.0}
 
 
 def parse_setting(text: str) -> dict:
@@ -53,7 +54,7 @@ def parse_setting(text: str) -> dict:
         key, _, value = part.partition("=")
         if key not in KEYS or not value:
             raise SystemExit(f"bad setting {part!r}: use key=value with key one of {', '.join(KEYS)}")
-        out[KEYS[key]] = float(value) if key == "spread" else int(value)
+        out[KEYS[key]] = float(value) if key in ("spread", "slowdown") else int(value)
     return out
 
 

@@ -44,6 +44,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-prompt-chunk", type=int, default=16,
                    help="with --prompt-spread-ms, the fewest prompt tokens a step carries while prompts wait (4 with "
                         "a spread of 300 ms kept inter-token latency most even in docs/benchmarks.md)")
+    p.add_argument("--prompt-slowdown", type=float, default=0.0,
+                   help="with --prompt-spread-ms: while decodes run, waiting prompts get as many tokens a step as keep "
+                        "the step within this many times what its decodes alone take (from a fit of the measured "
+                        "step times), and more only where a prompt would miss arrival + the spread; prompts then "
+                        "start sooner at light load and a burst of them cannot stall the streams; 0 (default) = "
+                        "off (the spread's even rate alone)")
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -53,7 +59,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, prompt_spread_ms=args.prompt_spread_ms,
-                min_prompt_chunk=args.min_prompt_chunk,
+                min_prompt_chunk=args.min_prompt_chunk, prompt_slowdown=args.prompt_slowdown,
                 kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
 

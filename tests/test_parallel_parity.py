@@ -119,6 +119,22 @@ def test_bf16_pipeline_stages_run_their_decode_layers_in_one_call(tmp_path):
         assert result["decode_layer_kernels"] == len(layers) // 2, f"rank {rank}"
 
 
+def test_paced_prompts_are_scheduled_alike_on_every_rank(checkpoint, tmp_path):
+    """Prompt pacing reads a clock and step times, and under torchrun every rank runs its own scheduler: tp=2
+    with prompts paced beside running decodes, rank 1's own clock 1000 s ahead of rank 0's. Every rank paces
+    by rank 0's clock and step times (handed round with each step's has-work all-reduce), so both schedule the
+    same chunks (a rank that paced by its own clock would see every prompt overdue and run other shapes) and
+    the greedy tokens equal the single process's."""
+    ckpt = checkpoint("v3")
+    layout = {"tensor_parallel_size": 2, "max_num_batched_tokens": 8, "prompt_spread_ms": 10000.0,
+              "min_prompt_chunk": 2, "prompt_slowdown": 1.2, "_rank1_clock_ahead_s": 1000.0}
+    expected = single_process_tokens(ckpt)
+    results = run_layout(ckpt, tmp_path, layout, 2)
+    for rank, result in enumerate(results):
+        assert result["tokens"] == expected, f"rank {rank}"
+    assert results[0]["paced_steps"] == results[1]["paced_steps"] > 0
+
+
 def test_lone_request_on_data_parallel_ranks(checkpoint, tmp_path):
     """One request on two DP ranks: rank 1 has no work and runs dummy batches through the MoE layers."""
     ckpt = checkpoint("v3")

@@ -250,3 +250,93 @@ def test_prompt_spread_config_validation():
     args = build_parser().parse_args(["serve", "m", "--prompt-spread-ms", "300", "--min-prompt-chunk", "4"])
     kw = _engine_kwargs(args)
     assert kw["prompt_spread_ms"] == 300 and kw["min_prompt_chunk"] == 4
+
+
+def test_step_cost_fits_a_steps_time_to_its_decodes_and_prompt_tokens():
+    from moe_serve.server.core.pacing import StepCost, prompt_tokens_within
+
+    rng = random.Random(0)
+    cost = StepCost()
+    for _ in range(7):
+        cost.observe(10, 20, 0.01)
+    assert cost.fit() is None                     # fewer than 8 steps
+    same_prompt = StepCost()
+    for _ in range(50):
+        same_prompt.observe(rng.randint(1, 30), 16, 0.01)
+    assert same_prompt.fit() is None              # prompt tokens never vary: their cost is unknown
+    for _ in range(300):
+        d, p = rng.randint(1, 30), rng.choice([0, 4, 16, 40, 100])
+        cost.observe(d, p, 0.008 + 0.0003 * d + 0.00015 * p)
+    a, b, c = cost.fit()
+    assert a == pytest.approx(0.008, rel=1e-3) and b == pytest.approx(0.0003, rel=1e-2)
+    assert c == pytest.approx(0.00015, rel=1e-3)
+    # 13 decodes alone: 11.9 ms; 30% of that is 3.57 ms of prompt tokens at 0.15 ms each: 23
+    assert prompt_tokens_within((0.008, 0.0003, 0.00015), 13, 1.3) == 23
+    assert prompt_tokens_within((0.008, 0.0003, 0.00015), 13, 1.0) == 0
+    assert prompt_tokens_within((-0.05, 0.0003, 0.00015), 13, 1.3) is None    # a fit that says nothing
+    flat = StepCost()
+    for _ in range(100):
+        d, p = rng.randint(1, 30), rng.choice([0, 50])
+        flat.observe(d, p, 0.01 + 0.0003 * d - 0.00001 * p)
+    assert flat.fit() is None                     # prompt tokens "saving" time: no cap from that
+
+
+def test_prompt_slowdown_gives_waiting_prompts_what_keeps_the_step_within_it():
+    now = [0.0]
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, prompt_spread_s=1.0, min_prompt_chunk=4,
+                                      prompt_slowdown=1.5), BlockManager(128, 4), clock=lambda: now[0])
+    a = Request("a", [3] * 5, SamplingParams(), arrival_time=0.0)
+    sched.add_request(a)
+    step(sched)
+    sched.step_timer.observe(0.1)                 # 10 steps to the due time: 10 tokens a step would do
+    for p in (0, 8, 32) * 4:                      # a step: 20 ms + 0.2 ms per prompt token (one decode)
+        sched.step_cost.observe(1, p, 0.02 + 0.0002 * p)
+    b = Request("b", [4] * 150, SamplingParams(), arrival_time=0.0)
+    sched.add_request(b)
+    # half of the decode's 20 ms is 50 prompt tokens: more than the due time needs (15), so b is done sooner
+    assert chunks(step(sched)) == [("a", 1), ("b", 50)]
+    now[0] = 0.95                                 # 100 left and due within this step: the due time wins
+    assert chunks(step(sched)) == [("a", 1), ("b", 100)]
+    c = Request("c", [5] * 200, SamplingParams(), arrival_time=0.95)
+    sched.add_request(c)
+    assert chunks(step(sched)) == [("a", 1), ("b", 1), ("c", 50)]
+    with pytest.raises(ValueError, match="prompt_slowdown must be 0"):
+        SchedulerConfig(prompt_slowdown=0.5)
+    from moe_serve.server.cli import _engine_kwargs, build_parser
+    from moe_serve.server.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="needs prompt_spread_ms > 0"):
+        EngineConfig(model="m", prompt_slowdown=1.3)
+    args = build_parser().parse_args(["serve", "m", "--prompt-spread-ms", "300", "--prompt-slowdown", "1.3"])
+    assert _engine_kwargs(args)["prompt_slowdown"] == 1.3
+
+
+def test_shared_clock_paces_by_rank_0s_time_only():
+    """Ranks of one job each run a scheduler; with a shared clock they read only what sync_clock hands them
+    (rank 0's clock and step times), so schedulers whose own clocks disagree still decide alike."""
+    def make_rank(offset):
+        return Scheduler(SchedulerConfig(max_num_batched_tokens=64, prompt_spread_s=0.5, min_prompt_chunk=2,
+                                         prompt_slowdown=1.2), BlockManager(256, 4),
+                         clock=lambda: 1000.0 * offset, shared_clock=True)
+
+    ranks = [make_rank(0), make_rank(7)]
+    rng = random.Random(3)
+    trace, added = [[], []], [[], []]
+    t, last = 50.0, 0.0
+    for i in range(60):
+        t += 0.02
+        for k, sched in enumerate(ranks):
+            if i % 7 == 0:
+                added[k].append((Request(f"r{i}", [1] * (10 + 3 * i), SamplingParams(), arrival_time=None), t))
+                sched.add_request(added[k][-1][0])
+            sched.sync_clock(t, last)
+            out = step(sched, finish_at=5)
+            sched.record_step(out, rng.uniform(1, 9))   # each rank's own time: ignored
+            trace[k].append(chunks(out))
+        prompt = sum(n for _, n in trace[0][-1] if n > 1)   # rank 0's time for the step: what the fit sees
+        last = 0.01 + 0.0003 * (len(trace[0][-1]) - (prompt > 0)) + 0.0002 * prompt + rng.uniform(0, 0.002)
+    assert trace[0] == trace[1]
+    assert any(2 < n < 64 for out in trace[0] for _, n in out if n > 1)   # paced chunks did happen
+    assert ranks[1].step_cost.fit() == ranks[0].step_cost.fit() is not None
+    for k in range(2):   # arrival: rank 0's clock at the first sync after the add
+        assert [r.arrival_time for r, _ in added[k]] == [when for _, when in added[k]]

@@ -79,7 +79,9 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, prompt_spread_s=config.prompt_spread_ms / 1e3,
-            min_prompt_chunk=config.min_prompt_chunk), self.block_manager)
+            min_prompt_chunk=config.min_prompt_chunk, prompt_slowdown=config.prompt_slowdown), self.block_manager,
+            shared_clock=self.parallel.cpu.size > 1)
+        self._last_step_seconds = 0.0  # rank 0's, for every rank's pacing (any_rank_has_work)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -143,8 +145,15 @@ class EngineCore:
         """True while any rank of the job has unfinished requests (every rank must call it each step)."""
         if self.parallel.cpu.size == 1:
             return self.has_unfinished_requests()
-        flag = torch.tensor([int(self.has_unfinished_requests())])
-        return bool(comm.all_reduce(flag, self.parallel.cpu, op=torch.distributed.ReduceOp.MAX).item())
+        # The same all-reduce hands every rank rank 0's clock and last step time (a sum in which only rank 0's
+        # terms are not zero): every rank's scheduler then paces prompts alike (scheduler.py, shared_clock).
+        lead = self.parallel.rank == 0
+        both = torch.tensor([float(self.has_unfinished_requests()), time.monotonic() if lead else 0.0,
+                             self._last_step_seconds if lead else 0.0], dtype=torch.float64)
+        both = comm.all_reduce(both, self.parallel.cpu, op=torch.distributed.ReduceOp.SUM)
+        self._last_step_seconds = 0.0
+        self.scheduler.sync_clock(float(both[1]), float(both[2]))
+        return bool(both[0] > 0)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -154,7 +163,8 @@ class EngineCore:
             return []  # alone, an idle step does nothing; in a job it is a dummy batch for the collectives
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
-        self.scheduler.record_step(sched, time.perf_counter() - t0)
+        self._last_step_seconds = time.perf_counter() - t0
+        self.scheduler.record_step(sched, self._last_step_seconds)
         self._record_prompt_logprobs(result.prompt_logprobs)
         outputs = self._update(sched, result.sampled)
         if self.expert_load_recorder is not None:

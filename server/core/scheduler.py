@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from moe_serve.server.core.block_manager import BlockManager
-from moe_serve.server.core.pacing import StepTimer, prompt_tokens_per_step
+from moe_serve.server.core.pacing import StepCost, StepTimer, prompt_tokens_per_step, prompt_tokens_within
 from moe_serve.server.core.request import Request, RequestStatus
 
 
@@ -27,6 +27,10 @@ class SchedulerConfig:
     # 0 = each step takes as many prompt tokens as the token budget allows.
     prompt_spread_s: float = 0.0
     min_prompt_chunk: int = 16  # spread or not, a step with prompts pending gives them at least this many tokens
+    # With prompt_spread_s: while decodes run, pending prompts get as many tokens a step as keep the step within
+    # this many times what its decodes alone take (by the fitted step cost, pacing.py); more only where a
+    # prompt would otherwise miss arrival + prompt_spread_s. 0 = off: the due-time rate alone.
+    prompt_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -40,6 +44,12 @@ class SchedulerConfig:
             raise ValueError(f"prompt_spread_s must be 0 (off) or a number of seconds, got {self.prompt_spread_s!r}")
         if not isinstance(self.min_prompt_chunk, int) or self.min_prompt_chunk < 1:
             raise ValueError(f"min_prompt_chunk must be a positive integer, got {self.min_prompt_chunk!r}")
+        check_prompt_slowdown(self.prompt_slowdown)
+
+
+def check_prompt_slowdown(value) -> None:
+    if not isinstance(value, (int, float)) or not (value == 0 or 1 < value <= 10):
+        raise ValueError(f"prompt_slowdown must be 0 (off) or a factor above 1 and at most 10, got {value!r}")
 
 
 @dataclass
@@ -60,10 +70,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock=time.monotonic) -> None:
+    """`shared_clock`: under a multi-rank job every rank runs its own scheduler and all must decide alike, so
+    the pacing must not read this process's clock or step times: the engine hands each rank rank 0's
+    (`sync_clock`, once per step), and a request's arrival time is the first such clock after it was added."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock=time.monotonic,
+                 shared_clock: bool = False) -> None:
         self.config = config
-        self.clock = clock                 # the clock of Request.arrival_time
+        self.clock = clock                 # the clock of Request.arrival_time (alone)
         self.step_timer = StepTimer()      # recent step time, fed by the engine (record_step)
+        self.step_cost = StepCost()        # a step's time against its decodes and prompt tokens (record_step)
+        self.shared_clock = shared_clock
+        self._shared_now: float | None = None   # rank 0's clock at the last sync_clock
+        self._last_shape: tuple[int, int] | None = None   # the last step's (decodes, prompt tokens), shared
+        self._unstamped: list[Request] = []     # added since the last sync_clock (shared)
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -74,6 +94,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use; ids must be unique")
         request.status = RequestStatus.WAITING
+        if self.shared_clock:
+            self._unstamped.append(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -101,17 +123,48 @@ class Scheduler:
         left = [r.num_tokens - r.num_computed_tokens for r in self.running]
         if cfg.prompt_spread_s == 0 or self.step_timer.seconds is None or 1 not in left:
             return cfg.max_num_batched_tokens  # nothing to pace, or no running stream to protect
-        now = self.clock()
+        now = self.now()
         pending = [(n, r.arrival_time + cfg.prompt_spread_s - now) for r, n in zip(self.running, left) if n > 1]
         room = cfg.max_num_seqs - len(self.running)
         pending += [(r.num_tokens - r.num_computed_tokens, r.arrival_time + cfg.prompt_spread_s - now)
                     for r in list(self.waiting)[:room]]
-        return max(cfg.min_prompt_chunk, prompt_tokens_per_step(pending, self.step_timer.seconds))
+        rate = prompt_tokens_per_step(pending, self.step_timer.seconds)
+        if cfg.prompt_slowdown and (coef := self.step_cost.fit()) is not None:
+            within = prompt_tokens_within(coef, left.count(1), cfg.prompt_slowdown)
+            rate = max(rate, within if within is not None else 0)
+        return max(cfg.min_prompt_chunk, rate)
+
+    def now(self) -> float:
+        """The pacing's clock: this process's, or rank 0's at the last sync_clock (shared_clock)."""
+        if self.shared_clock:
+            return self._shared_now if self._shared_now is not None else 0.0
+        return self.clock()
 
     def record_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """The engine ran `scheduler_output` in `seconds` (what the prompt spreading paces by)."""
-        if not scheduler_output.is_empty:
-            self.step_timer.observe(seconds)
+        """The engine ran `scheduler_output` in `seconds` (what the pacing paces by). With a shared clock the
+        step's shape waits for rank 0's time of it (sync_clock)."""
+        if scheduler_output.is_empty:
+            return
+        decodes = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1)
+        prompt_tokens = sum(s.num_new_tokens for s in scheduler_output.scheduled if s.num_new_tokens > 1)
+        if self.shared_clock:
+            self._last_shape = (decodes, prompt_tokens)
+        else:
+            self._observe(decodes, prompt_tokens, seconds)
+
+    def sync_clock(self, now: float, last_step_seconds: float) -> None:
+        """shared_clock: rank 0's clock now and how long its last step took (0 for none), the same on every rank."""
+        self._shared_now = now
+        if last_step_seconds > 0 and self._last_shape is not None:
+            self._observe(*self._last_shape, last_step_seconds)
+        self._last_shape = None
+        for request in self._unstamped:
+            request.arrival_time = now
+        self._unstamped.clear()
+
+    def _observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
+        self.step_timer.observe(seconds)
+        self.step_cost.observe(decodes, prompt_tokens, seconds)
 
     def _check_fits(self, request: Request, num_tokens: int) -> None:
         bm = self.block_manager
