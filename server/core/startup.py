@@ -13,6 +13,7 @@ Phases (seconds, each measured where it happens and reported once the server is 
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from contextlib import contextmanager
@@ -30,6 +31,16 @@ def process_start_time() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return _IMPORTED_AT
+
+
+def freeze_startup_heap() -> int:
+    """Once a process has started (modules, model, tokenizer): collect, then hide everything left from the
+    garbage collector (gc.freeze). A full collection walks every tracked object; over the engine's 220 000
+    start-up objects (bench model) it took 50-75 ms, a stall of every stream whenever the collector chose to
+    run one; frozen, a full collection walks only what serving made since. Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def since_process_start() -> float:

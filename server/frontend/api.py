@@ -37,7 +37,7 @@ from moe_serve.server.frontend.protocol import (APIError, ChatCompletionRequest,
                                        TokenizeRequest, error_body)
 from moe_serve.server.core.sampling_params import SamplingParams
 from moe_serve.server.frontend.serving import OpenAIServing
-from moe_serve.server.core.startup import since_process_start, summary
+from moe_serve.server.core.startup import freeze_startup_heap, since_process_start, summary
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +308,7 @@ async def _warm_up(client: EngineClient, tokenizer, state: dict, metrics: Metric
     phases = {**state.get("startup", {}), "warmup": time.perf_counter() - t0, "total": since_process_start()}
     for phase, seconds in phases.items():
         metrics.startup.labels(phase).set(seconds)
+    freeze_startup_heap()  # (the front end's start-up objects: FastAPI, the tokenizer)
     state["ready"] = True
     log.info("warm-up done; ready")
     print(f"moe serve: ready; start-up {summary(phases)}", file=sys.stderr, flush=True)

@@ -44,6 +44,7 @@ import msgpack
 import zmq
 
 from moe_serve.parallel import comm
+from moe_serve.server.core.startup import freeze_startup_heap
 from moe_serve.server.frontend.placement_handoff import PlacementExport, start_from_placement
 
 HEARTBEAT_S = 0.5
@@ -116,6 +117,7 @@ def run_engine_process(engine_kwargs: dict, address: str, secret: str | None, lo
                     "max_num_seqs": engine.config.max_num_seqs,
                     "data_parallel_size": engine.config.data_parallel_size,
                     "startup": {"engine_import": engine_import_s, **engine.startup_seconds}}))
+    freeze_startup_heap()
     try:
         EngineLoop(engine, recorder, sock, sock).run()
     finally:
@@ -130,6 +132,7 @@ def run_follower(engine_kwargs: dict) -> None:
 
     engine = EngineCore(EngineConfig(**engine_kwargs))
     start_from_placement(engine, None)  # rank 0 broadcasts what the front end's welcome carried
+    freeze_startup_heap()
     EngineLoop(engine, engine.expert_load_recorder, None, None).run()
 
 
