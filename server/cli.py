@@ -47,9 +47,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-slowdown", type=float, default=0.0,
                    help="with --prompt-spread-ms: while decodes run, waiting prompts get as many tokens a step as keep "
                         "the step within this many times what its decodes alone take (from a fit of the measured "
-                        "step times), and more only where a prompt would miss arrival + the spread; prompts then "
-                        "start sooner at light load and a burst of them cannot stall the streams; 0 (default) = "
-                        "off (the spread's even rate alone)")
+                        "step times), and more only where a prompt would miss arrival + the spread: prompts start "
+                        "sooner, streams are less even (docs/benchmarks.md); 0 (default) = off (the spread's even "
+                        "rate alone)")
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

@@ -10,13 +10,12 @@ its due time: the earliest-deadline-first rate. The steps then differ little fro
 in most of them, not a rare fat one), and a prompt that waits past its due time gets everything the token
 budget allows.
 
-The due time alone leaves the steps uneven when prompts arrive in a burst: several prompts due within the
-same few steps raise that rate for all of them (on the bench model at 15 req/s, 70 prompt tokens beside 13
-decodes: a 24 ms step among 15 ms ones). A latency budget bounds it from the other side: `StepCost` fits a
-step's time to its decodes and prompt tokens over the recent steps, and `prompt_tokens_within` says how many
-prompt tokens keep a step within `slowdown` x what its decodes alone take. The scheduler gives pending
-prompts that many every step (so they finish sooner than their due time when the budget allows), and the
-due-time rate only where that is more (a burst that would otherwise miss its due time).
+Every prompt then starts about `spread` after it arrives, even at light load. A latency budget lets prompts
+go faster where the steps have room: `StepCost` fits a step's time to its decodes and prompt tokens over the
+recent steps, and `prompt_tokens_within` says how many prompt tokens keep a step within `slowdown` x what its
+decodes alone take. With one (`prompt_slowdown`), the scheduler gives pending prompts that many every step,
+and the due-time rate where that is more. Prompts start sooner, but the steps differ more (a step carries
+prompt tokens up to the budget, or none): a trade, measured in docs/benchmarks.md.
 
 Pure arithmetic; the scheduler calls it with what it knows (tokens left, seconds left, the recent steps).
 """

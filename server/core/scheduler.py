@@ -82,7 +82,7 @@ class Scheduler:
         self.step_cost = StepCost()        # a step's time against its decodes and prompt tokens (record_step)
         self.shared_clock = shared_clock
         self._shared_now: float | None = None   # rank 0's clock at the last sync_clock
-        self._last_shape: tuple[int, int] | None = None   # the last step's (decodes, prompt tokens), shared
+        self._last_shape: tuple[int, ...] | None = None   # the last step's shape (record_step), shared
         self._unstamped: list[Request] = []     # added since the last sync_clock (shared)
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
@@ -145,26 +145,30 @@ class Scheduler:
         step's shape waits for rank 0's time of it (sync_clock)."""
         if scheduler_output.is_empty:
             return
-        decodes = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1)
-        prompt_tokens = sum(s.num_new_tokens for s in scheduler_output.scheduled if s.num_new_tokens > 1)
+        shape = ()  # (decodes, prompt tokens): what the step cost is fitted to, needed only by prompt_slowdown
+        if self.config.prompt_slowdown:
+            scheduled = scheduler_output.scheduled
+            shape = (sum(1 for s in scheduled if s.num_new_tokens == 1),
+                     sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1))
         if self.shared_clock:
-            self._last_shape = (decodes, prompt_tokens)
+            self._last_shape = shape
         else:
-            self._observe(decodes, prompt_tokens, seconds)
+            self._observe(shape, seconds)
 
     def sync_clock(self, now: float, last_step_seconds: float) -> None:
         """shared_clock: rank 0's clock now and how long its last step took (0 for none), the same on every rank."""
         self._shared_now = now
         if last_step_seconds > 0 and self._last_shape is not None:
-            self._observe(*self._last_shape, last_step_seconds)
+            self._observe(self._last_shape, last_step_seconds)
         self._last_shape = None
         for request in self._unstamped:
             request.arrival_time = now
         self._unstamped.clear()
 
-    def _observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
+    def _observe(self, shape: tuple[int, ...], seconds: float) -> None:
         self.step_timer.observe(seconds)
-        self.step_cost.observe(decodes, prompt_tokens, seconds)
+        if shape:
+            self.step_cost.observe(*shape, seconds)
 
     def _check_fits(self, request: Request, num_tokens: int) -> None:
         bm = self.block_manager
