@@ -19,8 +19,8 @@ of microseconds and sleeps for the second, over and over (about 0.35 of a core f
 a server's front end and its clients, without their HTTP.
 
 A setting is comma-separated key=value: budget (max_num_batched_tokens), spread (prompt_spread_ms), seqs
-(max_num_seqs), minchunk (min_prompt_chunk), slowdown (prompt_slowdown). Settings and rates alternate in rounds (--repeats); medians over
-the rounds.
+(max_num_seqs), minchunk (min_prompt_chunk), slowdown (prompt_slowdown). Settings and rates alternate in rounds
+(--repeats); medians over the rounds.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ int64_t now_us(void) {
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-/* Takes and runs items of generation g while there are any; the ticket last read in *cur */
+/* Takes and runs items of generation g while there are any (a newer generation ends it too) */
 void take_items(uint32_t g, Loop &loop, pool_fn fn, void *ctx, int64_t n, int slot) {
     uint64_t cur = ticket.load(std::memory_order_acquire);
     pool_in_item = 1;

@@ -142,7 +142,8 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def any_rank_has_work(self) -> bool:
-        """True while any rank of the job has unfinished requests (every rank must call it each step)."""
+        """True while any rank of the job has unfinished requests (every rank must call it each step). Under a
+        job it also hands every rank's scheduler rank 0's clock and last step time (Scheduler.sync_clock)."""
         if self.parallel.cpu.size == 1:
             return self.has_unfinished_requests()
         # The same all-reduce hands every rank rank 0's clock and last step time (a sum in which only rank 0's
