@@ -1,6 +1,6 @@
 """The grouped layout: whole expert groups on nodes, spare slots as replicas on their expert's node (the
-layout of EPLB's hierarchical policy, and the locality anchor of node-aware placement), then as few moves
-across nodes as bring every node's load under a cap.
+layout of EPLB's hierarchical policy, and the locality anchor of node-aware placement), then copies of
+replicas (and, where none is possible, swaps) across nodes that bring every node's load under a cap.
 
 Under group-limited routing a token's experts come from a few groups, so a group kept whole on one node
 costs a token at most one cross-node row. What it cannot do is balance: a node's load is its groups'
@@ -8,14 +8,17 @@ load. So, per layer:
   1. groups onto nodes: heaviest first onto the lightest node with room, then swaps of two groups between
      nodes while they lower the busier of the two (several groups per node);
   2. each node's spare slots to its experts with the most load per replica;
-  3. while a node is above the cap, the move that brings it under the cap (the busiest node, to a node
-     that stays under it) splitting the least load from its group's node, else the one moving the most:
-       relocate: one of an expert's replicas on the busy node goes to the other node, which gives up one
-                 of its spare replicas, and the busy node takes that slot back as a spare replica of its
-                 own (only the relocated expert's load leaves its node);
-       swap:     an expert with one replica trades nodes with a lighter one (both leave their groups).
-The node load is the node-local rule's (balancer/locality.py): an expert with replicas on nodes A and B
-serves each node's own tokens there and splits the other nodes' evenly over its replicas.
+  3. while a node is above the cap, a move (the busiest node's, to a node that stays under the cap):
+       copy:  an expert with two or more replicas on the busy node, its home node, gets one on another
+              node, which gives up one of its spare replicas: that node's own tokens of the expert stay
+              there (1/N of its load moves) and no token reaches a node it would not reach anyway;
+       swap:  an expert with one replica trades nodes with a lighter one (both leave their groups),
+              only where no copy is possible, choosing the one that brings the node under the cap and
+              splits the least load from its group's node, else the one moving the most.
+     Copies come first, the one that brings the node under the cap moving the least load, else the one
+     moving the most.
+The node load is the node-local rule's (balancer/locality.py): each node's tokens served on their node
+where it holds a replica, the other nodes' on the expert's home node.
 
 Shape legend: E experts, N nodes, G groups.
 """
@@ -25,7 +28,7 @@ import torch
 from moe_serve.balancer.locality import replica_loads
 
 
-_MAX_MOVES = 16  # per layer: more would not keep the groups whole
+_MAX_MOVES = 48  # per layer (a copy moves 1/N of an expert's load; more swaps would not keep the groups whole)
 _MIN_GAIN = 0.03  # share of tokens: a swap of groups must raise their use together by this (not sample noise)
 
 
@@ -126,16 +129,18 @@ def _balance_nodes(weight_E: torch.Tensor, count_EN: torch.Tensor, cap: float) -
             return
         excess, room_N = float(load_N[hot] - cap), cap - load_N
         room_N[hot] = -1.0
-        home_E = (count_EN > 0).sum(1) == 1  # on one node only
-        here_E = home_E & (count_EN[:, hot] > 0) & ~moved_E
-        spare_EN = home_E.unsqueeze(1) & (count_EN >= 2)  # a spare replica a node can give up
-        # relocate e (c >= 2 replicas, all here) to node n: n serves its own tokens and 1/c of the N - 2 others'
+        one_node_E = (count_EN > 0).sum(1) == 1
+        here_E = one_node_E & (count_EN[:, hot] > 0) & ~moved_E
+        spare_EN = one_node_E.unsqueeze(1) & (count_EN >= 2)  # a spare replica a node can give up
+        # copy e (c >= 2 replicas here, the most of any node) to node n, which gives up a spare: n then serves
+        # its own tokens of e, every other node's stay here
         c_E = count_EN[:, hot]
-        move_E = weight_E * (1.0 / num_nodes + (num_nodes - 2) / (num_nodes * c_E.clamp(min=1)))
-        ok_EN = (here_E & (c_E >= 2)).unsqueeze(1) & spare_EN.any(0).unsqueeze(0) & (nodes_N != hot)
+        move_E = weight_E / num_nodes
+        home_E = (c_E >= 2) & (c_E > count_EN.masked_fill(nodes_N == hot, 0).amax(1))  # stays home after a copy
+        ok_EN = home_E.unsqueeze(1) & spare_EN.any(0).unsqueeze(0) & (nodes_N != hot).unsqueeze(0) & (count_EN == 0)
         ok_EN &= move_E.unsqueeze(1) <= room_N.unsqueeze(0)
         # swap e (one replica, here) with f (one replica, on node n): e's load for f's
-        single_E = home_E & (count_EN.sum(1) == 1) & ~moved_E
+        single_E = one_node_E & (count_EN.sum(1) == 1) & ~moved_E
         e_A = (single_E & here_E).nonzero().flatten()
         f_B = (single_E & ~here_E).nonzero().flatten()
         n_B = count_EN[f_B].argmax(1)
@@ -147,7 +152,11 @@ def _balance_nodes(weight_E: torch.Tensor, count_EN: torch.Tensor, cap: float) -
         split_EN = move_E.unsqueeze(1).expand(-1, num_nodes)
         split_AB = weight_E[e_A].unsqueeze(1) + weight_E[f_B].unsqueeze(0)
         inf = float("inf")
-        if fixes_EN.any() or fixes_AB.any():
+        if ok_EN.any():  # copies first: they leave every token's nodes as they were
+            top = 2.0 * float(move_E.max()) + 1.0  # the copies that fix the node rank before all others
+            key_EN = torch.where(fixes_EN, split_EN, top - split_EN).masked_fill(~ok_EN, inf)
+            key_AB = torch.full_like(d_AB, inf)
+        elif fixes_AB.any():
             key_EN = split_EN.masked_fill(~fixes_EN, inf)
             key_AB = split_AB.masked_fill(~fixes_AB, inf)
         else:
@@ -162,13 +171,7 @@ def _balance_nodes(weight_E: torch.Tensor, count_EN: torch.Tensor, cap: float) -
             give_F = spare_EN[:, n].nonzero().flatten()  # n gives up the spare whose expert then loads least
             f = int(give_F[(weight_E[give_F] / (count_EN[give_F, n] - 1)).argmin()])
             count_EN[f, n] -= 1
-            count_EN[e, hot] -= 1
             count_EN[e, n] += 1
-            take_H = (home_E & (count_EN[:, hot] > 0)).nonzero().flatten()
-            take_H = take_H[take_H != e]
-            h = int(take_H[(weight_E[take_H] / count_EN[take_H, hot]).argmax()])
-            count_EN[h, hot] += 1
-            moved_E[e] = True
         else:
             a, b = divmod(int(key_AB.argmin()), len(f_B))
             e, f, n = int(e_A[a]), int(f_B[b]), int(n_B[b])

@@ -2,9 +2,11 @@
 
 GPUs are numbered node by node: GPU g is on node g // (G // N), slot p on GPU p // (R // G). Cross-node
 traffic is the scarce resource of wide EP, so a token that needs an expert its own node holds uses that
-replica (the node-local rule); otherwise its tokens spread evenly over all of the expert's replicas. Under
-that rule an expert whose replicas sit on distinct nodes (or as many on every node) still splits its load
-evenly, and a token costs one cross-node row per distinct remote node it must reach.
+replica (the node-local rule). A token from a node without one goes to the expert's home node, where one
+node holds more of its replicas than any other (a copy on another node then serves only that node's
+tokens: it moves load without sending any token to a node it would not visit anyway); where no node
+holds the most, those tokens spread evenly over all of the expert's replicas. A token costs one
+cross-node row per distinct remote node it must reach.
 
 Shape legend (see balancer/placement.py): L layers, E logical experts, R slots, G GPUs, N nodes,
 T tokens, K experts per token, X most replicas of an expert.
@@ -41,16 +43,26 @@ def node_counts(phy2log_LR: torch.Tensor, num_logical: int, num_gpus: int, num_n
     return count_LEN.view(num_layers, num_logical, num_nodes)
 
 
+def home_nodes(count_LEN: torch.Tensor) -> torch.Tensor:
+    """home_LEN: True on an expert's home node, the one node that holds more of its replicas than any other
+    (it serves the tokens of nodes without a replica); False on every node where no node holds the most."""
+    top_LEN = count_LEN == count_LEN.amax(2, keepdim=True)
+    return top_LEN & (top_LEN.sum(2, keepdim=True) == 1) & (count_LEN > 0)
+
+
 def replica_loads(weight_LE: torch.Tensor, count_LEN: torch.Tensor) -> torch.Tensor:
     """load_LEN: expected load of ONE replica of expert e on node n under the node-local rule, tokens coming
-    evenly from every node: its node's share (split over the local replicas) plus an even share of the
-    tokens from nodes without a replica. 0 where the node holds none."""
+    evenly from every node: its node's share (split over the local replicas) plus, on the home node, the
+    tokens from nodes without a replica (split over its replicas there), or, where the expert has no home
+    node, an even share of them. 0 where the node holds none."""
     num_nodes = count_LEN.shape[2]
     weight_LE = weight_LE.double()
     total_LE = count_LEN.sum(2)
     lacking_LE = (count_LEN == 0).sum(2)
-    per_LEN = (weight_LE / num_nodes).unsqueeze(2) * (1.0 / count_LEN.clamp(min=1)
-                                                       + (lacking_LE / total_LE.clamp(min=1)).unsqueeze(2))
+    home_LEN = home_nodes(count_LEN)
+    has_home_LE = home_LEN.any(2, keepdim=True)
+    away_LEN = torch.where(has_home_LE, home_LEN / count_LEN.clamp(min=1), 1.0 / total_LE.clamp(min=1).unsqueeze(2))
+    per_LEN = (weight_LE / num_nodes).unsqueeze(2) * (1.0 / count_LEN.clamp(min=1) + lacking_LE.unsqueeze(2) * away_LEN)
     return per_LEN.masked_fill(count_LEN == 0, 0.0)
 
 
@@ -77,8 +89,9 @@ def remote_nodes_per_token(topk_ids_TK: torch.Tensor, src_node_T: torch.Tensor, 
                            num_gpus: int, num_nodes: int, node_local: bool = True) -> torch.Tensor:
     """remote_T: distinct nodes other than its own that each token's experts take it to (one layer).
 
-    node_local: an expert with a replica on the token's node is served there; otherwise (and for every
-    expert when node_local is False) token t takes replica t % count, the even split."""
+    node_local: an expert with a replica on the token's node is served there, else on its home node if it
+    has one; otherwise (and for every expert when node_local is False) token t takes replica t % count, the
+    even split."""
     num_slots = phy2log_R.shape[0]
     num_logical = int(phy2log_R.max()) + 1
     node_R = node_of_slot(num_slots, num_gpus, num_nodes)
@@ -90,6 +103,8 @@ def remote_nodes_per_token(topk_ids_TK: torch.Tensor, src_node_T: torch.Tensor, 
     pick_TK = torch.arange(num_tokens).view(-1, 1) % total_E[topk_ids_TK]
     node_TK = node_R[order_R[start_E[topk_ids_TK] + pick_TK]]
     if node_local:
+        home_EN = home_nodes(count_1EN)[0]
+        node_TK = torch.where(home_EN.any(1)[topk_ids_TK], home_EN.long().argmax(1)[topk_ids_TK], node_TK)
         local_TK = count_1EN[0][topk_ids_TK, src_node_T.view(-1, 1).expand_as(topk_ids_TK)] > 0
         node_TK = torch.where(local_TK, src_node_T.view(-1, 1), node_TK)
     reach_TN = torch.zeros(num_tokens, num_nodes, dtype=torch.bool)
@@ -148,17 +163,25 @@ def split_affinity(phy2log_LR: torch.Tensor, affinity_LEE: torch.Tensor, num_gpu
 
 
 def node_local_view(log2phy_EX: torch.Tensor, logcnt_E: torch.Tensor, slots_per_rank: int,
-                    node_ranks: list[int] | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log2phy_EX, logcnt_E) as a rank on the node of EP ranks `node_ranks` should use them: an expert with
-    replicas on this node lists only those (the node-local rule); the others keep all their replicas."""
-    rank_EX = torch.where(log2phy_EX >= 0, log2phy_EX // slots_per_rank, -1)
-    local_EX = (log2phy_EX >= 0) & torch.isin(rank_EX, torch.tensor(list(node_ranks), device=rank_EX.device))
-    has_E = local_EX.any(1)
-    keep_EX = torch.where(has_E.unsqueeze(1), local_EX, log2phy_EX >= 0)
+                    rank_nodes: list[int] | tuple[int, ...], node: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log2phy_EX, logcnt_E) as a rank on `node` should use them, the EP ranks on `rank_nodes` (one node id
+    per rank, in EP order): an expert with replicas on this node lists only those (the node-local rule),
+    one without lists only those on its home node where it has one, and the others keep all their replicas."""
+    device = log2phy_EX.device
+    node_R = torch.tensor(list(rank_nodes), device=device)
+    valid_EX = log2phy_EX >= 0
+    node_EX = torch.where(valid_EX, node_R[torch.where(valid_EX, log2phy_EX // slots_per_rank, 0)], -1)
+    num_nodes = int(node_R.max()) + 1
+    count_EN = (node_EX.unsqueeze(2) == torch.arange(num_nodes, device=device)).sum(1)
+    home_EN = home_nodes(count_EN.unsqueeze(0))[0]
+    local_EX = node_EX == node
+    home_EX = valid_EX & home_EN.gather(1, node_EX.clamp(min=0))
+    keep_EX = torch.where(local_EX.any(1, keepdim=True), local_EX,
+                          torch.where(home_EN.any(1, keepdim=True), home_EX, valid_EX))
     order_EX = (~keep_EX).long().argsort(dim=1, stable=True)  # kept replicas first, in slot order
     view_EX = torch.where(keep_EX, log2phy_EX, -1).gather(1, order_EX)
     return view_EX, keep_EX.sum(1).to(logcnt_E.dtype)
 
 
-__all__ = ["planning_nodes", "node_of_slot", "node_counts", "replica_loads", "node_local_gpu_loads", "node_local_balancedness",
+__all__ = ["planning_nodes", "node_of_slot", "node_counts", "home_nodes", "replica_loads", "node_local_gpu_loads", "node_local_balancedness",
            "remote_nodes_per_token", "sample_routed_tokens", "group_affinity", "coactivation", "split_affinity", "node_local_view"]

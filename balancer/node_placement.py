@@ -5,7 +5,8 @@ Cross-node dispatch is what a token costs in rows to remote nodes (balancer/loca
 it: experts often chosen together (recorded co-activation, or the model's expert groups under DeepSeek's
 group-limited routing) sharing a node, and hot experts with a replica on every node, whose tokens then
 never leave their node (the node-local rule); an expert with replicas on only some nodes still sends the
-other nodes' tokens away, to any of them. So:
+other nodes' tokens away, to its home node (the node with most of its replicas) or, where it has none, to
+any of them. So:
   1. replica counts: the redundant slots go, EPLB's way (to the expert whose busiest replica carries the
      most load), in whole node sets for hot experts: N replicas, then N more; left-over slots add single
      replicas to experts that already have N. Lighter experts take partial replicas (2..N-1 on distinct
@@ -19,8 +20,9 @@ other nodes' tokens away, to any of them. So:
      replica to another expert on that node: a hot expert with one node gets a second replica there).
 Candidates: the grouped layout (balancer/grouped_layout.py: whole groups on nodes, replicas within a node,
 as EPLB's hierarchical policy; the anchor), the same with groups used together on one node, and, where the
-anchor misses the target by a little, the anchor with the cheapest swaps (balancer/node_swaps.py) or with
-as few moves across nodes as bring the node loads under the loosest cap that works; then the replica-count
+anchor misses the target, the anchor with copies of replicas across nodes (and swaps where no copy is
+possible) that bring the node loads under the loosest cap that works, or, where it misses by a little, with
+the cheapest swaps (balancer/node_swaps.py); then the replica-count
 candidates of step 1 with the loosest node cap that works. Each layer keeps, among the candidates that
 reach the balance target under the node-local rule, the one with the fewest cross-node rows per token,
 estimated on tokens sampled from its load and routed as the model routes (another candidate must save
@@ -108,9 +110,9 @@ def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_L
         anchored_L = offer(all_L, anchor_LR)
         remote_L[anchored_L] -= _ANCHOR_EDGE  # where a grouped layout reaches the target, beat it by this or keep it
         short = all_L[~anchored_L & ~offer(all_L, grouped(all_L, 0.0, move=False))]
+        tries = short  # copies across nodes can reach the target from anywhere
         near_L = node_local_balancedness(weight_LE, anchor_LR, num_gpus, num_nodes) >= target_L - _NEAR
-        short = short[near_L[short]]  # a few moves across nodes can reach the target from there
-        tries = short
+        short = short[near_L[short]]  # a few swaps across nodes can reach the target from there
         if len(short):
             short = short[~offer(short, _swaps(anchor_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))]
         for margin in _GROUPED_MARGINS:  # also where the swaps reached the target: fewer rows may leave their group

@@ -85,11 +85,12 @@ class MoEBlock(nn.Module):
         device = self.gate.weight.device
         self.log2phy_EX, self.logcnt_E = log2phy_1EX[0].to(device), logcnt_1E[0].to(device)
         # each token's replica, chosen from the batch's load on the EP ranks (balancer/placement.py); when the EP
-        # group spans nodes, among the replicas on this rank's node where the expert has some (the node-local rule)
+        # group spans nodes, among the replicas on this rank's node where the expert has some, else on its home
+        # node (the node-local rule, balancer/locality.py)
         log2phy_EX, logcnt_E = self.log2phy_EX, self.logcnt_E
         if self.ep_group is not None and self.ep_group.num_nodes > 1:
             log2phy_EX, logcnt_E = node_local_view(log2phy_EX, logcnt_E, self.slots_per_rank,
-                                                   self.ep_group.node_members())
+                                                   self.ep_group.nodes, self.ep_group.nodes[self.ep_group.index])
         self.replica_chooser = ReplicaChooser(log2phy_EX, logcnt_E, self.ep_size, self.slots_per_rank)
 
     def relocate_experts(self, new_phy2log_R: list[int]) -> int:

@@ -63,12 +63,6 @@ class Group:
     def num_nodes(self) -> int:
         return len(set(self.nodes)) if self.nodes else 1
 
-    def node_members(self) -> tuple[int, ...]:
-        """Positions in the group of the members on this rank's node (this rank's included)."""
-        if not self.nodes:
-            return tuple(range(self.size))
-        mine = self.nodes[self.index]
-        return tuple(i for i, n in enumerate(self.nodes) if n == mine)
 
 
 # ---- tensors the backend may still hold -----------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 from moe_serve.balancer import rebalance_experts, validate_plan
 from moe_serve.balancer.eplb import _pack_candidates
 from moe_serve.balancer.locality import (coactivation, node_counts, node_local_balancedness, node_local_gpu_loads,
-                                         node_local_view, remote_nodes_per_token)
+                                         node_local_view, remote_nodes_per_token, replica_loads)
 from moe_serve.balancer.placement import build_log2phy
 
 E, GROUPS, TOPK_GROUP, K = 64, 8, 4, 6
@@ -52,9 +52,28 @@ def test_measures_on_a_hand_example():
 def test_node_local_view_keeps_only_local_replicas_where_there_are_some():
     phy2log = torch.tensor([[0, 1, 2, 3, 0, 4, 5, 5]])
     log2phy, logcnt = build_log2phy(phy2log, 6)
-    view, cnt = node_local_view(log2phy[0], logcnt[0], slots_per_rank=2, node_ranks=(2, 3))  # node 1: slots 4..7
+    view, cnt = node_local_view(log2phy[0], logcnt[0], slots_per_rank=2, rank_nodes=(0, 0, 1, 1), node=1)  # 4..7
     assert cnt.tolist() == [1, 1, 1, 1, 1, 2]
     assert view[0, 0] == 4 and view[5, :2].tolist() == [6, 7] and view[1, 0] == 1  # expert 1 only on node 0
+
+
+def test_tokens_without_a_local_replica_go_to_the_experts_home_node():
+    # 3 nodes x 1 GPU x 4 slots. Expert 0: 2 replicas on node 0 (its home) and a copy on node 1; expert 1: one
+    # replica on nodes 1 and 2 each (no home: an even split); the rest once.
+    phy2log = torch.tensor([[0, 0, 2, 3, 0, 1, 4, 5, 1, 6, 7, 8]])
+    weight = torch.tensor([[6.0, 6, 1, 1, 1, 1, 1, 1, 1]])
+    per = replica_loads(weight, node_counts(phy2log, 9, 3, 3))[0]
+    assert per[0].tolist() == pytest.approx([2.0, 2.0, 0.0])  # node 0's own 2 and node 2's 2, over 2 replicas; node 1's 2
+    assert per[1].tolist() == pytest.approx([0.0, 3.0, 3.0])  # node 0's 2 split evenly over both
+    # token 0 on node 2 wants expert 0: home (node 0), not the copy on node 1; token 1 on node 1 uses the copy
+    ids = torch.tensor([[0, 2], [0, 5]])
+    assert remote_nodes_per_token(ids, torch.tensor([2, 1]), phy2log[0], 3, 3).tolist() == [1, 0]
+    log2phy, logcnt = build_log2phy(phy2log, 9)
+    view, cnt = node_local_view(log2phy[0], logcnt[0], slots_per_rank=4, rank_nodes=(0, 1, 2), node=2)
+    assert cnt[0] == 2 and sorted(view[0, :2].tolist()) == [0, 1]  # only the home replicas
+    assert cnt[1] == 1 and view[1, 0] == 8  # its own node's
+    view, cnt = node_local_view(log2phy[0], logcnt[0], slots_per_rank=4, rank_nodes=(0, 1, 2), node=0)
+    assert cnt[1] == 2 and sorted(view[1, :2].tolist()) == [5, 8]  # no home: all of its replicas
 
 
 def test_coactivation_counts_pairs_of_one_token():
@@ -107,7 +126,7 @@ def test_replica_chooser_on_a_node_local_view_stays_on_the_node():
 
     phy2log = torch.tensor([[0, 1, 2, 3, 0, 4, 5, 5]])  # 4 ranks x 2 slots; ranks 2, 3 on node 1
     log2phy, logcnt = build_log2phy(phy2log, 6)
-    view, cnt = node_local_view(log2phy[0], logcnt[0], slots_per_rank=2, node_ranks=(2, 3))
+    view, cnt = node_local_view(log2phy[0], logcnt[0], slots_per_rank=2, rank_nodes=(0, 0, 1, 1), node=1)
     chosen = ReplicaChooser(view, cnt, 4, slots_per_rank=2)(torch.tensor([[0, 5], [0, 5], [1, 5], [0, 2]]))
     assert chosen[:, 0].tolist() == [4, 4, 1, 4]  # expert 0 on node 1's slot 4; expert 1 only on node 0
     assert set(chosen[:3, 1].tolist()) <= {6, 7} and chosen[3, 1] == 2
@@ -127,9 +146,8 @@ def test_moe_plan_reports_cross_node_rows_on_several_nodes():
         what_if(weight, 16, 16, num_nodes=3)
 
 
-def test_grouped_layout_moves_little_across_nodes_to_reach_a_node_cap():
+def test_grouped_layout_copies_across_nodes_to_reach_a_node_cap():
     from moe_serve.balancer.grouped_layout import grouped_counts
-    from moe_serve.balancer.locality import replica_loads
 
     weight = torch.ones(E, dtype=torch.float64)
     weight[:8] = 1.3  # group 0 is the heaviest: one node above the cap
@@ -141,7 +159,15 @@ def test_grouped_layout_moves_little_across_nodes_to_reach_a_node_cap():
         assert (count.sum(0) == slots_per_node).all() and (count.sum(1) >= 1).all()
         load = (replica_loads(weight.view(1, -1), count.unsqueeze(0))[0] * count).sum(0)
         assert load.max() <= cap + 1e-9, (slots_per_node, nodes, load.tolist())
-        assert ((count > 0) != (anchor > 0)).any(1).sum() <= 8  # few experts leave (or split from) their node
+        if slots_per_node == E // nodes:  # no spare slots, so no copies: a few experts swap nodes
+            assert ((count > 0) != (anchor > 0)).any(1).sum() <= 8
+            continue
+        assert (count[anchor > 0] > 0).all()  # copies only: every expert still on its group's node...
+        home = count.argmax(1)
+        copied = (count > 0).sum(1) > 1
+        assert copied.any() and (count[copied].gather(1, home[copied].view(-1, 1)) >= 2).all()
+        others = count.scatter(1, home.view(-1, 1), 0).amax(1)  # ...and that node its home
+        assert (count.gather(1, home.view(-1, 1)).squeeze(1) > others)[copied].all()
     # groups used together (0 with 1, 2 with 3, ...) share a node when the cap allows it
     together = torch.eye(GROUPS) * 0.5
     for g in range(0, GROUPS, 2):
