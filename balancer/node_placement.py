@@ -48,7 +48,8 @@ _SET_ABOVE = (0.0, 1.0, 4.0, float("inf"))  # x mean GPU load: experts this hot 
 _CAP_MARGINS = (0.0, 0.02)  # node load cap: mean node load / (target + margin), tried in turn
 _SAMPLE_TOKENS = 1024  # tokens per layer that estimate a candidate's cross-node rows
 _ANCHOR_EDGE = 0.01  # cross-node rows per token another candidate must save to replace a grouped layout
-_NEAR = 0.05  # balancedness below the target from which the grouped layout tries moves across nodes
+_NEAR = 0.05  # balancedness below the target from which the grouped layout tries swaps across nodes
+_COPY_NEAR = 0.15  # ... and copies across nodes (each moves 1/N of an expert's load: far more would not do)
 _GROUPED_MARGINS = (0.0, 0.005, 0.01)  # grouped layout's node load cap: mean / (target + margin), in turn
 
 
@@ -110,9 +111,9 @@ def plan_node_aware(weight_LE: torch.Tensor, counts_LE: torch.Tensor, affinity_L
         anchored_L = offer(all_L, anchor_LR)
         remote_L[anchored_L] -= _ANCHOR_EDGE  # where a grouped layout reaches the target, beat it by this or keep it
         short = all_L[~anchored_L & ~offer(all_L, grouped(all_L, 0.0, move=False))]
-        tries = short  # copies across nodes can reach the target from anywhere
-        near_L = node_local_balancedness(weight_LE, anchor_LR, num_gpus, num_nodes) >= target_L - _NEAR
-        short = short[near_L[short]]  # a few swaps across nodes can reach the target from there
+        anchor_bal_L = node_local_balancedness(weight_LE, anchor_LR, num_gpus, num_nodes)
+        tries = short[anchor_bal_L[short] >= target_L[short] - _COPY_NEAR]  # copies across nodes can reach it
+        short = short[anchor_bal_L[short] >= target_L[short] - _NEAR]  # a few swaps across nodes can reach it
         if len(short):
             short = short[~offer(short, _swaps(anchor_LR[short], weight_LE[short], num_nodes, num_gpus, target_L[short]))]
         for margin in _GROUPED_MARGINS:  # also where the swaps reached the target: fewer rows may leave their group
