@@ -183,5 +183,6 @@ def node_local_view(log2phy_EX: torch.Tensor, logcnt_E: torch.Tensor, slots_per_
     return view_EX, keep_EX.sum(1).to(logcnt_E.dtype)
 
 
-__all__ = ["planning_nodes", "node_of_slot", "node_counts", "home_nodes", "replica_loads", "node_local_gpu_loads", "node_local_balancedness",
-           "remote_nodes_per_token", "sample_routed_tokens", "group_affinity", "coactivation", "split_affinity", "node_local_view"]
+__all__ = ["planning_nodes", "node_of_slot", "node_counts", "home_nodes", "replica_loads", "node_local_gpu_loads",
+           "node_local_balancedness", "remote_nodes_per_token", "sample_routed_tokens", "group_affinity",
+           "coactivation", "split_affinity", "node_local_view"]

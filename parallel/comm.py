@@ -64,7 +64,6 @@ class Group:
         return len(set(self.nodes)) if self.nodes else 1
 
 
-
 # ---- tensors the backend may still hold -----------------------------------------------------------
 # gloo runs collectives on its own worker threads, and a worker drops its hold on an op's tensors just
 # after `wait()` has returned here. If Python has already let go of such a tensor, the worker must take the

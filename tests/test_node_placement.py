@@ -63,7 +63,8 @@ def test_tokens_without_a_local_replica_go_to_the_experts_home_node():
     phy2log = torch.tensor([[0, 0, 2, 3, 0, 1, 4, 5, 1, 6, 7, 8]])
     weight = torch.tensor([[6.0, 6, 1, 1, 1, 1, 1, 1, 1]])
     per = replica_loads(weight, node_counts(phy2log, 9, 3, 3))[0]
-    assert per[0].tolist() == pytest.approx([2.0, 2.0, 0.0])  # node 0's own 2 and node 2's 2, over 2 replicas; node 1's 2
+    # expert 0: node 0's own 2 and node 2's 2 over its 2 home replicas; node 1's 2 on the copy there
+    assert per[0].tolist() == pytest.approx([2.0, 2.0, 0.0])
     assert per[1].tolist() == pytest.approx([0.0, 3.0, 3.0])  # node 0's 2 split evenly over both
     # token 0 on node 2 wants expert 0: home (node 0), not the copy on node 1; token 1 on node 1 uses the copy
     ids = torch.tensor([[0, 2], [0, 5]])
