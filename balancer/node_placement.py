@@ -20,10 +20,10 @@ any of them. So:
      replica to another expert on that node: a hot expert with one node gets a second replica there).
 Candidates: the grouped layout (balancer/grouped_layout.py: whole groups on nodes, replicas within a node,
 as EPLB's hierarchical policy; the anchor), the same with groups used together on one node, and, where the
-anchor misses the target, the anchor with copies of replicas across nodes (and swaps where no copy is
-possible) that bring the node loads under the loosest cap that works, or, where it misses by a little, with
-the cheapest swaps (balancer/node_swaps.py); then the replica-count
-candidates of step 1 with the loosest node cap that works. Each layer keeps, among the candidates that
+anchor misses the target (by up to _COPY_NEAR), the anchor with copies of replicas across nodes (and swaps
+where no copy is possible) that bring the node loads under the loosest cap that works, or, where it misses by
+a little, with the cheapest swaps (balancer/node_swaps.py); then the replica-count candidates of step 1 with
+the loosest node cap that works. Each layer keeps, among the candidates that
 reach the balance target under the node-local rule, the one with the fewest cross-node rows per token,
 estimated on tokens sampled from its load and routed as the model routes (another candidate must save
 _ANCHOR_EDGE rows to replace a grouped layout that reaches the target: smaller savings are sample noise). A layer
