@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import torch
+
 
 def prompt_tokens_per_step(pending: Iterable[tuple[int, float]], step_seconds: float) -> int:
     """The fewest prompt tokens per step that, the same every step, compute each prompt by its due time.
@@ -87,30 +89,13 @@ class StepCost:
         mean_p = g[0][2] / w
         if g[2][2] / w - mean_p * mean_p < min_prompt_var:
             return None
-        a = [row[:] + [m[i]] for i, row in enumerate(g)]
-        a[1][1] += 0.01 * w    # the prior on b: as if 1% of the steps had seen b = 0 over one decode of spread
-        coef = _solve3(a)
-        if coef is None or coef[2] <= 0:
+        gram = torch.tensor(g, dtype=torch.float64)
+        gram[1, 1] += 0.01 * w    # the prior on b: as if 1% of the steps had seen b = 0 over one decode of spread
+        try:
+            a, b, c = torch.linalg.solve(gram, torch.tensor(m, dtype=torch.float64)).tolist()
+        except torch.linalg.LinAlgError:  # singular: the steps do not tell the three terms apart
             return None
-        return coef[0], coef[1], coef[2]
-
-
-def _solve3(aug: list[list[float]]) -> list[float] | None:
-    """Solve a 3 x 3 system given as its augmented rows (Gaussian elimination, partial pivoting)."""
-    n = 3
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(aug[r][col]))
-        if abs(aug[pivot][col]) < 1e-12 * max(1.0, abs(aug[0][0])):
-            return None
-        aug[col], aug[pivot] = aug[pivot], aug[col]
-        for r in range(col + 1, n):
-            f = aug[r][col] / aug[col][col]
-            for k in range(col, n + 1):
-                aug[r][k] -= f * aug[col][k]
-    out = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        out[r] = (aug[r][n] - sum(aug[r][k] * out[k] for k in range(r + 1, n))) / aug[r][r]
-    return out
+        return (a, b, c) if c > 0 and math.isfinite(a + b + c) else None
 
 
 def prompt_tokens_within(coef: tuple[float, float, float], decodes: int, slowdown: float) -> int | None:
