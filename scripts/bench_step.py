@@ -8,6 +8,7 @@
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 4 --profile   # torch ops (torch.profiler)
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running --prefill 64 256 1024  # against matmul peak
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 1 4 8 16 --steps 400 --jitter
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 1 4 16 32 --mixed 4 8 16 32 64
 
 Builds the benchmark checkpoint if missing (.cache/bench), adds N requests of random 64-192 token prompts,
 prefills them all, then times --steps decode steps and prints the median and minimum per N. --kernels
@@ -19,6 +20,9 @@ times a step that computes one N-token prompt alone, counts its multiply-adds fr
 and reports it as a fraction of the machine's matmul peak (one large GEMM, measured in the same run).
 --jitter: how much steps of the same work differ (the machine's noise, which no scheduler removes): p90 and
 p99 of each step's time over the median of its 21 neighbours (which follows the contexts' growth).
+--mixed K: steps that carry one fresh K-token prompt beside the N running decodes (what a paced prompt slice
+costs), K = 0 for none, alternating; then a least-squares fit of every (decodes, prompt tokens, median ms) to
+bench_itl.py's step-cost model, printed as the `--cost` that `bench_itl.py --simulate` takes.
 """
 
 from __future__ import annotations
@@ -59,13 +63,17 @@ def main() -> None:
     ap.add_argument("--jitter", action="store_true",
                     help="p90 / p99 of each decode step's time over the median of its 21 neighbours (use --steps 400)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler's top ops over the decode (and --prefill) steps")
+    ap.add_argument("--mixed", type=int, nargs="*", default=[],
+                    help="prompt chunk sizes: time steps carrying one such chunk beside the running decodes, and "
+                         "fit bench_itl.py's step-cost model to them")
     ap.add_argument("--prefill", type=int, nargs="*", default=[],
                     help="prompt lengths: time a step computing one such prompt alone, against the matmul peak")
     args = ap.parse_args()
     kernel_s = time_kernels() if args.kernels else None
     if args.model == ".cache/bench":
         ensure_checkpoint(Path(args.model), "bench")
-    llm = LLM(args.model, dtype=args.dtype, kernel_backend=args.kernel_backend, max_num_seqs=max(args.running, default=1),
+    llm = LLM(args.model, dtype=args.dtype, kernel_backend=args.kernel_backend,
+              max_num_seqs=max(args.running, default=1) + bool(args.mixed),  # (room for the mixed steps' prompt)
               max_num_batched_tokens=2048, kv_cache_tokens=65536)
     engine = llm.engine
     if args.layer_by_layer:
@@ -85,6 +93,7 @@ def main() -> None:
         print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (sum of 512 MiB, best of 7, {torch.get_num_threads()} thread(s))")
     print(f"{'running':>8} {'prefill all ms':>15} {'step median ms':>15} {'step min ms':>12}"
           + (f" {'MB read':>8} {'bound ms':>9} {'bound/median':>13}" if args.bound else ""))
+    mixed_points: list[tuple[int, int, float]] = []
     for n in args.running:
         g = torch.Generator().manual_seed(args.seed)
         ids = []
@@ -108,6 +117,8 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
                 if bandwidth is not None:
                     read.append(step_bytes(engine, ids))
+        if args.mixed:
+            mixed_points += time_mixed(engine, n, args.mixed, args.seed)
         for r in ids:
             engine.abort_request(r)
         median = statistics.median(times)
@@ -128,6 +139,41 @@ def main() -> None:
         print_profile(profiler)
     if args.prefill:
         prefill_against_peak(engine, args.prefill, args.seed, profile=args.profile)
+    if len(mixed_points) >= 5:
+        from bench_itl import fit_step_cost
+
+        coef, rms = fit_step_cost(mixed_points)
+        print("step cost fit (ms): a + b decodes + c prompt_tokens + w (1 - q ** (decodes + prompt_tokens)): "
+              f"rms residual {rms:.2f} ms; bench_itl.py --simulate --cost " + ",".join(f"{v:.4g}" for v in coef))
+
+
+def time_mixed(engine, running: int, sizes: list[int], seed: int, repeats: int = 12) -> list[tuple[int, int, float]]:
+    """Median ms of steps carrying one fresh prompt of each size in `sizes` (0: none) beside `running`
+    decodes, the sizes alternating: [(decodes, prompt tokens, ms)]. Each prompt asks for one token, so it is
+    done after its step."""
+    from moe_serve.server import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(seed + 1 + 7919 * running)  # prompts unlike every other run's (the prefix cache)
+    sizes = [0, *sorted(set(sizes) - {0})]
+    if max(sizes) > engine.config.max_num_batched_tokens - running:
+        raise SystemExit(f"--mixed {max(sizes)} with {running} running: above the token budget")
+    times: dict[int, list[float]] = {k: [] for k in sizes}
+    for rep in range(repeats):
+        for k in sizes:
+            rid = None
+            if k:
+                prompt = torch.randint(0, engine.model_config.vocab_size, (k,), generator=g).tolist()
+                rid = engine.add_request(prompt, params, request_id=f"mixed-{running}-{k}-{rep}")
+            t0 = time.perf_counter()
+            engine.step()
+            times[k].append(time.perf_counter() - t0)
+            if rid is not None and rid in engine.requests:
+                engine.abort_request(rid)
+    medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(f"         with a prompt chunk of K tokens, median ms: "
+          + ", ".join(f"K={k} {ms:.2f}" for k, ms in medians.items()))
+    return [(running, k, ms) for k, ms in medians.items()]
 
 
 def jitter_line(times: list[float], half: int = 10) -> str:
