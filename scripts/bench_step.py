@@ -19,7 +19,9 @@ update) and the forward into its decoder layers; --profile prints torch.profiler
 times a step that computes one N-token prompt alone, counts its multiply-adds from the model's shapes,
 and reports it as a fraction of the machine's matmul peak (one large GEMM, measured in the same run).
 --jitter: how much steps of the same work differ (the machine's noise, which no scheduler removes): p90 and
-p99 of each step's time over the median of its 21 neighbours (which follows the contexts' growth).
+p99 of each step's time over the median of its 21 neighbours (which follows the contexts' growth); then the
+same figures for float32 GEMMs of the median step's length on the same threads, the machine's own floor, and
+the CPU time that other processes took meanwhile (from /proc).
 --mixed K: steps that carry one fresh K-token prompt beside the N running decodes (what a paced prompt slice
 costs), K = 0 for none, alternating; then a least-squares fit of every (decodes, prompt tokens, median ms) to
 bench_itl.py's step-cost model, printed as the `--cost` that `bench_itl.py --simulate` takes.
@@ -128,6 +130,7 @@ def main() -> None:
         print(f"{n:>8} {prefill * 1e3:>15.0f} {median * 1e3:>15.1f} {min(times) * 1e3:>12.1f}{bound}")
         if args.jitter:
             print(jitter_line(times))
+            print(gemm_floor_line(median, args.steps))
         if kernel_s is not None:
             per_step = {name: s / args.steps * 1e3 for name, s in kernel_s.items()}
             rest = sum(times) / args.steps * 1e3 - sum(per_step.values())
@@ -176,12 +179,74 @@ def time_mixed(engine, running: int, sizes: list[int], seed: int, repeats: int =
     return [(running, k, ms) for k, ms in medians.items()]
 
 
-def jitter_line(times: list[float], half: int = 10) -> str:
-    """Steps of one batch doing the same work: each step's time over the median of its 2 * half + 1 neighbours
-    (the local median follows the slow growth of the contexts), and the p90 / p99 of that ratio."""
-    rel = [t / statistics.median(times[max(0, i - half):i + half + 1]) for i, t in enumerate(times)]
+def over_local_median(times: list[float], half: int = 10) -> list[float]:
+    """Each time over the median of its 2 * half + 1 neighbours (which follows a slow drift, such as the growth
+    of the contexts)."""
+    return [t / statistics.median(times[max(0, i - half):i + half + 1]) for i, t in enumerate(times)]
+
+
+def jitter_line(times: list[float]) -> str:
+    """Steps of one batch doing the same work: p90 / p99 of each step's time over its local median."""
+    rel = over_local_median(times)
     return (f"         jitter over {len(times)} steps: step / local median p90 {percentile(rel, 90):.2f}, p99 "
             f"{percentile(rel, 99):.2f}; step p99 / p50 {percentile(times, 99) / statistics.median(times):.2f}")
+
+
+def gemm_floor_line(target_s: float, iterations: int) -> str:
+    """The machine's floor under `jitter_line`, in the same run: the same statistic over float32 GEMMs sized to
+    take about `target_s` each on the same threads (fixed arithmetic that needs every thread, as a step does),
+    and the CPU time other processes took meanwhile."""
+    n = 256
+    for _ in range(4):  # a GEMM's time grows as n ** 3
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        n = max(64, round(n * (target_s / (time.perf_counter() - t0)) ** (1 / 3)))
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    times = []
+    before = other_threads_cpu()
+    t_all = time.perf_counter()
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    others = other_cpu_text(before, other_threads_cpu(), time.perf_counter() - t_all)
+    rel = over_local_median(times)
+    return (f"         the machine's floor, {iterations} GEMMs of {n}^3 float32 ({statistics.median(times) * 1e3:.1f} ms "
+            f"each): over the local median p90 {percentile(rel, 90):.2f}, p99 {percentile(rel, 99):.2f}; {others}")
+
+
+def other_threads_cpu() -> dict[tuple[str, str], tuple[str, int, int]]:
+    """{(pid, tid): (name, ns on a CPU, timeslices)} for every thread of every other process, from
+    /proc/*/task/*/schedstat (empty where the kernel has none)."""
+    import os
+
+    own, out = str(os.getpid()), {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and p != own):
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ran, _wait, slices = f.read().split()
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    out[(pid, tid)] = (f.read().strip(), int(ran), int(slices))
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    return out
+
+
+def other_cpu_text(before: dict, after: dict, seconds: float) -> str:
+    """Other processes' CPU time between two `other_threads_cpu` snapshots, with the largest three by name."""
+    if not after:
+        return "other processes' CPU time: not readable here"
+    by_name: collections.Counter = collections.Counter()
+    slices: collections.Counter = collections.Counter()
+    for key, (name, ran, n) in after.items():
+        _, ran0, n0 = before.get(key, (name, 0, 0))
+        by_name[name] += ran - ran0
+        slices[name] += n - n0
+    top = ", ".join(f"{name} {ns / 1e6:.1f} ms in {slices[name]}" for name, ns in by_name.most_common(3) if ns > 0)
+    return f"other processes ran {sum(by_name.values()) / 1e6:.1f} ms of CPU in {seconds:.1f} s ({top})"
 
 
 def cpu_profiler(on: bool) -> torch.profiler.profile | None:
