@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
 import statistics
 import time
 from pathlib import Path
@@ -220,8 +221,6 @@ def gemm_floor_line(target_s: float, iterations: int) -> str:
 def other_threads_cpu() -> dict[tuple[str, str], tuple[str, int, int]]:
     """{(pid, tid): (name, ns on a CPU, timeslices)} for every thread of every other process, from
     /proc/*/task/*/schedstat (empty where the kernel has none)."""
-    import os
-
     own, out = str(os.getpid()), {}
     for pid in (p for p in os.listdir("/proc") if p.isdigit() and p != own):
         try:
