@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,5 +49,21 @@ def checkpoint(tmp_path_factory):
             name = "-".join([preset] + [f"{k}{v}" for k, v in sorted(kw.items())])
             made[key] = str(make_checkpoint(tmp_path_factory.mktemp(name), preset, **kw))
         return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def script():
+    """script(name) -> the module scripts/<name>.py (benchmarks whose pure parts have tests), loaded once."""
+    loaded: dict = {}
+
+    def get(name: str):
+        if name not in loaded:
+            path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+            spec = importlib.util.spec_from_file_location(name, path)
+            loaded[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(loaded[name])
+        return loaded[name]
 
     return get

@@ -1,20 +1,12 @@
 """scripts/bench_itl.py's simulation (the real scheduler on a virtual clock) and the step-cost fit that
 scripts/bench_step.py --mixed prints for it."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_itl.py"
 
 
 @pytest.fixture(scope="module")
-def bench_itl():
-    spec = importlib.util.spec_from_file_location("bench_itl", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench_itl(script):
+    return script("bench_itl")
 
 
 def test_step_cost_fit_recovers_the_model(bench_itl):

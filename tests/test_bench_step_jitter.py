@@ -1,21 +1,14 @@
 """scripts/bench_step.py --jitter's statistics: steps over their local median, and other processes' CPU time."""
 
-import importlib.util
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_step.py"
-
 
 @pytest.fixture(scope="module")
-def bench_step():
-    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench_step(script):
+    return script("bench_step")
 
 
 def test_local_median_follows_a_drift_and_shows_a_stall(bench_step):
