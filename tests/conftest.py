@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,8 @@ def script():
     def get(name: str):
         if name not in loaded:
             path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-            spec = importlib.util.spec_from_file_location(name, path)
-            loaded[name] = importlib.util.module_from_spec(spec)
+            spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)  # (its dataclasses look it up)
+            loaded[name] = sys.modules[f"scripts_{name}"] = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(loaded[name])
         return loaded[name]
 

@@ -46,6 +46,7 @@ class EngineConfig:
     eplb_plan_steps: int = 2  # steps a periodic plan is computed in the background before it is taken
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # a placement file or load dump to start from
+    step_trace: str | None = None  # append a line per step to this file (server/core/step_trace.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in (*DTYPES, "auto"):

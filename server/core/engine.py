@@ -35,6 +35,7 @@ from moe_serve.server.core.sampler import SampleResult
 from moe_serve.server.core.sampling_params import SamplingParams
 from moe_serve.server.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from moe_serve.server.core.startup import PhaseTimer
+from moe_serve.server.core.step_trace import StepTrace, trace_path
 from moe_serve.server.core.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class EngineCore:
             min_prompt_chunk=config.min_prompt_chunk, prompt_slowdown=config.prompt_slowdown), self.block_manager,
             shared_clock=self.parallel.cpu.size > 1)
         self._last_step_seconds = 0.0  # rank 0's, for every rank's pacing (any_rank_has_work)
+        self.step_trace = None if config.step_trace is None else StepTrace(
+            trace_path(config.step_trace, self.parallel.world.rank, self.parallel.world.size))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -159,6 +162,7 @@ class EngineCore:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """One step: schedule -> run -> update. Returns an output for every request that got a token."""
+        t_start = StepTrace.clock() if self.step_trace is not None else 0.0
         sched = self.scheduler.schedule()
         if sched.is_empty and self.parallel.world.size == 1:
             return []  # alone, an idle step does nothing; in a job it is a dummy batch for the collectives
@@ -174,6 +178,9 @@ class EngineCore:
             else:
                 self.expert_load_recorder.end_step()
             self.rebalancer.after_step()  # placement changes only here, between steps (every rank, every step)
+        if self.step_trace is not None and not sched.is_empty:
+            decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
+            self.step_trace.record(t_start, StepTrace.clock(), decodes, sched.num_batched_tokens - decodes, len(outputs))
         return outputs
 
     def _record_prompt_logprobs(self, chunks: dict[str, tuple]) -> None:
