@@ -178,9 +178,8 @@ class EngineCore:
             else:
                 self.expert_load_recorder.end_step()
             self.rebalancer.after_step()  # placement changes only here, between steps (every rank, every step)
-        if self.step_trace is not None and not sched.is_empty:
-            decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
-            self.step_trace.record(t_start, StepTrace.clock(), decodes, sched.num_batched_tokens - decodes, len(outputs))
+        if self.step_trace is not None:
+            self.step_trace.record(t_start, sched, len(outputs))
         return outputs
 
     def _record_prompt_logprobs(self, chunks: dict[str, tuple]) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from moe_serve.server.core.scheduler import SchedulerOutput
+
 
 def trace_path(path: str, rank: int, world_size: int) -> Path:
     return Path(path if world_size == 1 else f"{path}.rank{rank}")
@@ -33,8 +35,12 @@ class StepTrace:
     def clock() -> float:
         return time.monotonic()
 
-    def record(self, start: float, end: float, decodes: int, prompt_tokens: int, outputs: int) -> None:
-        self._file.write(f"{start:.6f} {end:.6f} {decodes} {prompt_tokens} {outputs}\n")
+    def record(self, start: float, sched: SchedulerOutput, outputs: int) -> None:
+        """A step that began at `start` (clock()) and ends now; an empty one (a dummy batch) is not written."""
+        if sched.is_empty:
+            return
+        decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
+        self._file.write(f"{start:.6f} {self.clock():.6f} {decodes} {sched.num_batched_tokens - decodes} {outputs}\n")
 
     def close(self) -> None:
         self._file.close()
