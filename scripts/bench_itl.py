@@ -26,8 +26,8 @@ for the experts its tokens use; `bench_step.py --mixed` fits it), times a random
 apart from the machine's noise, over as many seeded streams (--repeats) as wanted, in seconds.
 
 A setting is comma-separated key=value: budget (max_num_batched_tokens), spread (prompt_spread_ms), seqs
-(max_num_seqs), minchunk (min_prompt_chunk), slowdown (prompt_slowdown). Settings and rates alternate in rounds
-(--repeats); medians over the rounds.
+(max_num_seqs), minchunk (min_prompt_chunk), slowdown (prompt_slowdown), spreadmax (prompt_spread_max_ms).
+Settings and rates alternate in rounds (--repeats); medians over the rounds.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ from moe_serve.server import LLM, SamplingParams  # noqa: E402
 from moe_serve.server.tools.bench import percentile  # noqa: E402
 
 KEYS = {"budget": "max_num_batched_tokens", "spread": "prompt_spread_ms", "seqs": "max_num_seqs",
-        "minchunk": "min_prompt_chunk", "slowdown": "prompt_slowdown"}
+        "minchunk": "min_prompt_chunk", "slowdown": "prompt_slowdown",
+        "spreadmax": "prompt_spread_max_ms"}
 DEFAULTS = {"max_num_batched_tokens": 256, "prompt_spread_ms": 0.0, "max_num_seqs": 64, "min_prompt_chunk": 16,
-            "prompt_slowdown": 0.0}
+            "prompt_slowdown": 0.0, "prompt_spread_max_ms": 0.0}
 
 
 def parse_setting(text: str) -> dict:
@@ -63,7 +64,7 @@ def parse_setting(text: str) -> dict:
         key, _, value = part.partition("=")
         if key not in KEYS or not value:
             raise SystemExit(f"bad setting {part!r}: use key=value with key one of {', '.join(KEYS)}")
-        out[KEYS[key]] = float(value) if key in ("spread", "slowdown") else int(value)
+        out[KEYS[key]] = float(value) if key in ("spread", "slowdown", "spreadmax") else int(value)
     return out
 
 
@@ -163,7 +164,8 @@ def simulate(setting: dict, requests, output_len: int, coef: tuple[float, ...], 
 
     config = SchedulerConfig(max_num_seqs=setting["max_num_seqs"], prompt_spread_s=setting["prompt_spread_ms"] / 1e3,
                              max_num_batched_tokens=setting["max_num_batched_tokens"],
-                             min_prompt_chunk=setting["min_prompt_chunk"], prompt_slowdown=setting["prompt_slowdown"])
+                             min_prompt_chunk=setting["min_prompt_chunk"], prompt_slowdown=setting["prompt_slowdown"],
+                             prompt_spread_max_s=setting["prompt_spread_max_ms"] / 1e3)
     clock = [0.0]
     sched = Scheduler(config, BlockManager(65536 // 16, 16, enable_prefix_caching=False), clock=lambda: clock[0])
     rng = random.Random(seed)

@@ -50,6 +50,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "step times), and more only where a prompt would miss arrival + the spread: prompts start "
                         "sooner, streams are less even (docs/benchmarks.md); 0 (default) = off (the spread's even "
                         "rate alone)")
+    p.add_argument("--prompt-spread-max-ms", type=float, default=0.0,
+                   help="with --prompt-spread-ms: when arrivals bunch up, prompts may take up to this many ms instead; "
+                        "until then a step carries at most 1.2x the prompt tokens steps have carried lately, so a "
+                        "cluster of prompts stretches rather than piling into a few long steps (docs/benchmarks.md); "
+                        "0 (default) = off")
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -63,6 +68,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, prompt_spread_ms=args.prompt_spread_ms,
                 min_prompt_chunk=args.min_prompt_chunk, prompt_slowdown=args.prompt_slowdown,
+                prompt_spread_max_ms=args.prompt_spread_max_ms,
                 kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                 step_trace=args.step_trace)

@@ -311,12 +311,41 @@ def test_prompt_slowdown_gives_waiting_prompts_what_keeps_the_step_within_it():
     assert _engine_kwargs(args)["prompt_slowdown"] == 1.3
 
 
+def test_a_latest_due_time_lets_a_bunch_of_prompts_stretch_at_a_capped_rate():
+    now = [0.0]
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, prompt_spread_s=1.0, min_prompt_chunk=4,
+                                      prompt_spread_max_s=2.0), BlockManager(256, 4), clock=lambda: now[0])
+    a = Request("a", [3] * 5, SamplingParams(), arrival_time=0.0)
+    sched.add_request(a)
+    step(sched)
+    sched.step_timer.observe(0.1)                 # 10 steps to the due time, 20 to the latest
+    sched.prompt_mean.observe(10)                 # steps have carried 10 prompt tokens: the cap is 1.2 x 10 = 12
+    b = Request("b", [4] * 300, SamplingParams(), arrival_time=0.0)
+    sched.add_request(b)
+    # by its due time b needs 30 a step, more than the cap; by the latest 15, which the cap does not go below
+    assert chunks(step(sched)) == [("a", 1), ("b", 15)]
+    now[0] = 1.5                                  # past its due time, 0.5 s (5 steps) to the latest: 285 / 5
+    assert chunks(step(sched)) == [("a", 1), ("b", 57)]
+    now[0] = 1.6
+    sched.prompt_mean.value = 300.0               # a cap (360) above the due time's rate (all 228 left): that rate
+    assert chunks(step(sched)) == [("a", 1), ("b", 228)]
+    with pytest.raises(ValueError, match="prompt_spread_max_s must be 0 .off. or more than prompt_spread_s"):
+        SchedulerConfig(prompt_spread_s=0.3, prompt_spread_max_s=0.2)
+    from moe_serve.server.cli import _engine_kwargs, build_parser
+    from moe_serve.server.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="which must be on"):
+        EngineConfig(model="m", prompt_spread_max_ms=400)
+    args = build_parser().parse_args(["serve", "m", "--prompt-spread-ms", "300", "--prompt-spread-max-ms", "450"])
+    assert _engine_kwargs(args)["prompt_spread_max_ms"] == 450
+
+
 def test_shared_clock_paces_by_rank_0s_time_only():
     """Ranks of one job each run a scheduler; with a shared clock they read only what sync_clock hands them
     (rank 0's clock and step times), so schedulers whose own clocks disagree still decide alike."""
     def make_rank(offset):
         return Scheduler(SchedulerConfig(max_num_batched_tokens=64, prompt_spread_s=0.5, min_prompt_chunk=2,
-                                         prompt_slowdown=1.2), BlockManager(256, 4),
+                                         prompt_slowdown=1.2, prompt_spread_max_s=0.8), BlockManager(256, 4),
                          clock=lambda: 1000.0 * offset, shared_clock=True)
 
     ranks = [make_rank(0), make_rank(7)]
@@ -338,5 +367,6 @@ def test_shared_clock_paces_by_rank_0s_time_only():
     assert trace[0] == trace[1]
     assert any(2 < n < 64 for out in trace[0] for _, n in out if n > 1)   # paced chunks did happen
     assert ranks[1].step_cost.fit() == ranks[0].step_cost.fit() is not None
+    assert ranks[1].prompt_mean.value == ranks[0].prompt_mean.value is not None
     for k in range(2):   # arrival: rank 0's clock at the first sync after the add
         assert [r.arrival_time for r, _ in added[k]] == [when for _, when in added[k]]

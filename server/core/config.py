@@ -10,7 +10,7 @@ import torch
 from moe_serve.balancer.rebalancer import EplbConfig
 from moe_serve.kernels.select import CHOICES as KERNEL_BACKENDS
 from moe_serve.parallel.config import ParallelConfig
-from moe_serve.server.core.scheduler import check_prompt_slowdown
+from moe_serve.server.core.scheduler import check_prompt_slowdown, check_prompt_spread_max
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,6 +25,7 @@ class EngineConfig:
     prompt_spread_ms: float = 0.0  # while decodes run, spread a new prompt over steps for up to this long (scheduler)
     min_prompt_chunk: int = 16  # spread or not, a step with prompts pending gives them at least this many tokens
     prompt_slowdown: float = 0.0  # with a spread: prompt tokens keep a step within this x its decodes' time (scheduler)
+    prompt_spread_max_ms: float = 0.0  # with a spread: a bunch of arrivals may stretch to this (scheduler)
     kv_cache_tokens: int = 32768
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -60,6 +61,7 @@ class EngineConfig:
         if not isinstance(self.prompt_spread_ms, (int, float)) or not 0 <= self.prompt_spread_ms <= 60_000:
             raise ValueError(f"prompt_spread_ms must be between 0 (off) and 60000, got {self.prompt_spread_ms!r}")
         check_prompt_slowdown(self.prompt_slowdown)
+        check_prompt_spread_max(self.prompt_spread_max_ms, self.prompt_spread_ms, "ms")
         if self.prompt_slowdown and not self.prompt_spread_ms:
             raise ValueError("prompt_slowdown paces prompts beside running decodes and needs prompt_spread_ms > 0 "
                              "(the due time a burst of prompts must still meet)")

@@ -80,7 +80,8 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, prompt_spread_s=config.prompt_spread_ms / 1e3,
-            min_prompt_chunk=config.min_prompt_chunk, prompt_slowdown=config.prompt_slowdown), self.block_manager,
+            min_prompt_chunk=config.min_prompt_chunk, prompt_slowdown=config.prompt_slowdown,
+            prompt_spread_max_s=config.prompt_spread_max_ms / 1e3), self.block_manager,
             shared_clock=self.parallel.cpu.size > 1)
         self._last_step_seconds = 0.0  # rank 0's, for every rank's pacing (any_rank_has_work)
         self.step_trace = None if config.step_trace is None else StepTrace(

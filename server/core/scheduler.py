@@ -12,7 +12,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from moe_serve.server.core.block_manager import BlockManager
-from moe_serve.server.core.pacing import StepCost, StepTimer, prompt_tokens_per_step, prompt_tokens_within
+from moe_serve.server.core.pacing import (BURST, StepCost, StepTimer, TokenMean, prompt_tokens_per_step,
+                                          prompt_tokens_within)
 from moe_serve.server.core.request import Request, RequestStatus
 
 
@@ -31,6 +32,10 @@ class SchedulerConfig:
     # this many times what its decodes alone take (by the fitted step cost, pacing.py); more only where a
     # prompt would otherwise miss arrival + prompt_spread_s. 0 = off: the due-time rate alone.
     prompt_slowdown: float = 0.0
+    # With prompt_spread_s: the latest a prompt may be done by (arrival + this) when arrivals bunch up; until
+    # then a step carries at most pacing.BURST x the prompt tokens steps have carried lately. 0 = off: every
+    # prompt by arrival + prompt_spread_s.
+    prompt_spread_max_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -45,6 +50,16 @@ class SchedulerConfig:
         if not isinstance(self.min_prompt_chunk, int) or self.min_prompt_chunk < 1:
             raise ValueError(f"min_prompt_chunk must be a positive integer, got {self.min_prompt_chunk!r}")
         check_prompt_slowdown(self.prompt_slowdown)
+        check_prompt_spread_max(self.prompt_spread_max_s, self.prompt_spread_s, "s")
+
+
+def check_prompt_spread_max(value, spread, unit: str) -> None:
+    """prompt_spread_max (in `unit`, "s" or "ms"): 0 (off), or above a spread that is on, up to a minute."""
+    if value == 0:
+        return
+    if not isinstance(value, (int, float)) or not spread or not spread < value <= (60 if unit == "s" else 60_000):
+        raise ValueError(f"prompt_spread_max_{unit} must be 0 (off) or more than prompt_spread_{unit} (which must be "
+                         f"on, now {spread!r}) and at most a minute, got {value!r}")
 
 
 def check_prompt_slowdown(value) -> None:
@@ -80,6 +95,7 @@ class Scheduler:
         self.clock = clock                 # the clock of Request.arrival_time (alone)
         self.step_timer = StepTimer()      # recent step time, fed by the engine (record_step)
         self.step_cost = StepCost()        # a step's time against its decodes and prompt tokens (record_step)
+        self.prompt_mean = TokenMean()     # prompt tokens per step beside decodes, lately (record_step)
         self.shared_clock = shared_clock
         self._shared_now: float | None = None   # rank 0's clock at the last sync_clock
         self._last_shape: tuple[int, ...] | None = None   # the last step's shape (record_step), shared
@@ -129,6 +145,10 @@ class Scheduler:
         pending += [(r.num_tokens - r.num_computed_tokens, r.arrival_time + cfg.prompt_spread_s - now)
                     for r in list(self.waiting)[:room]]
         rate = prompt_tokens_per_step(pending, self.step_timer.seconds)
+        if cfg.prompt_spread_max_s and self.prompt_mean.value is not None:  # a bunch of arrivals may stretch
+            later = cfg.prompt_spread_max_s - cfg.prompt_spread_s
+            latest = prompt_tokens_per_step([(n, s + later) for n, s in pending], self.step_timer.seconds)
+            rate = max(latest, min(rate, int(BURST * self.prompt_mean.value)))
         if cfg.prompt_slowdown and (coef := self.step_cost.fit()) is not None:
             within = prompt_tokens_within(coef, left.count(1), cfg.prompt_slowdown)
             rate = max(rate, within if within is not None else 0)
@@ -146,7 +166,7 @@ class Scheduler:
         if scheduler_output.is_empty:
             return
         shape = ()  # (decodes, prompt tokens): what the step cost is fitted to, needed only by prompt_slowdown
-        if self.config.prompt_slowdown:
+        if self.config.prompt_slowdown or self.config.prompt_spread_max_s:
             scheduled = scheduler_output.scheduled
             shape = (sum(1 for s in scheduled if s.num_new_tokens == 1),
                      sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1))
@@ -169,6 +189,8 @@ class Scheduler:
         self.step_timer.observe(seconds)
         if shape:
             self.step_cost.observe(*shape, seconds)
+            if shape[0]:  # a step beside running decodes: what the pacing's cap follows
+                self.prompt_mean.observe(shape[1])
 
     def _check_fits(self, request: Request, num_tokens: int) -> None:
         bm = self.block_manager
