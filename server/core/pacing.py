@@ -60,26 +60,36 @@ def prompt_tokens_per_step(pending: Iterable[tuple[int, float]], step_seconds: f
 BURST = 1.2
 
 
-class TokenMean:
-    """A running mean of prompt tokens per step (exponentially forgotten); None before the first step."""
+class RunningMean:
+    """A running mean (exponentially forgotten); None before the first value."""
 
-    def __init__(self, forget: float = 0.98):
+    def __init__(self, forget: float):
         self.forget, self.value = forget, None
 
-    def observe(self, tokens: int) -> None:
-        self.value = tokens if self.value is None else self.forget * self.value + (1 - self.forget) * tokens
+    def observe(self, x: float) -> None:
+        self.value = x if self.value is None else self.forget * self.value + (1 - self.forget) * x
 
 
-class StepTimer:
-    """A running mean of recent step times (exponentially forgotten); None before the first step."""
+class TokenMean(RunningMean):
+    """Prompt tokens per step, lately (zeros count)."""
+
+    def __init__(self, forget: float = 0.98):
+        super().__init__(forget)
+
+
+class StepTimer(RunningMean):
+    """Recent step time in seconds (times that are not positive and finite are left out)."""
 
     def __init__(self, forget: float = 0.8):
-        self.forget, self.seconds = forget, None
+        super().__init__(forget)
+
+    @property
+    def seconds(self) -> float | None:
+        return self.value
 
     def observe(self, seconds: float) -> None:
-        if not math.isfinite(seconds) or seconds <= 0:
-            return
-        self.seconds = seconds if self.seconds is None else self.forget * self.seconds + (1 - self.forget) * seconds
+        if math.isfinite(seconds) and seconds > 0:
+            super().observe(seconds)
 
 
 class StepCost:
