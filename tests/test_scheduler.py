@@ -281,14 +281,19 @@ def test_step_cost_fits_a_steps_time_to_its_decodes_and_prompt_tokens():
     assert flat.fit() is None                     # prompt tokens "saving" time: no cap from that
 
 
-def test_prompt_slowdown_gives_waiting_prompts_what_keeps_the_step_within_it():
-    now = [0.0]
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, prompt_spread_s=1.0, min_prompt_chunk=4,
-                                      prompt_slowdown=1.5), BlockManager(128, 4), clock=lambda: now[0])
-    a = Request("a", [3] * 5, SamplingParams(), arrival_time=0.0)
-    sched.add_request(a)
+def paced_with_one_decode(now: list[float], blocks: int, **config) -> Scheduler:
+    """A scheduler pacing prompts over 1 s (clock: now[0]) with request "a" decoding and steps of 0.1 s."""
+    sched = Scheduler(SchedulerConfig(prompt_spread_s=1.0, min_prompt_chunk=4, **config), BlockManager(blocks, 4),
+                      clock=lambda: now[0])
+    sched.add_request(Request("a", [3] * 5, SamplingParams(), arrival_time=0.0))
     step(sched)
-    sched.step_timer.observe(0.1)                 # 10 steps to the due time: 10 tokens a step would do
+    sched.step_timer.observe(0.1)
+    return sched
+
+
+def test_prompt_slowdown_gives_waiting_prompts_what_keeps_the_step_within_it():
+    now = [0.0]                                   # 10 steps to the due time: 10 tokens a step would do
+    sched = paced_with_one_decode(now, 128, max_num_batched_tokens=256, prompt_slowdown=1.5)
     for p in (0, 8, 32) * 4:                      # a step: 20 ms + 0.2 ms per prompt token (one decode)
         sched.step_cost.observe(1, p, 0.02 + 0.0002 * p)
     b = Request("b", [4] * 150, SamplingParams(), arrival_time=0.0)
@@ -312,13 +317,8 @@ def test_prompt_slowdown_gives_waiting_prompts_what_keeps_the_step_within_it():
 
 
 def test_a_latest_due_time_lets_a_bunch_of_prompts_stretch_at_a_capped_rate():
-    now = [0.0]
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, prompt_spread_s=1.0, min_prompt_chunk=4,
-                                      prompt_spread_max_s=2.0), BlockManager(256, 4), clock=lambda: now[0])
-    a = Request("a", [3] * 5, SamplingParams(), arrival_time=0.0)
-    sched.add_request(a)
-    step(sched)
-    sched.step_timer.observe(0.1)                 # 10 steps to the due time, 20 to the latest
+    now = [0.0]                                   # 10 steps to the due time, 20 to the latest
+    sched = paced_with_one_decode(now, 256, max_num_batched_tokens=512, prompt_spread_max_s=2.0)
     sched.prompt_mean.observe(10)                 # steps have carried 10 prompt tokens: the cap is 1.2 x 10 = 12
     b = Request("b", [4] * 300, SamplingParams(), arrival_time=0.0)
     sched.add_request(b)
