@@ -329,6 +329,14 @@ def test_a_latest_due_time_lets_a_bunch_of_prompts_stretch_at_a_capped_rate():
     now[0] = 1.6
     sched.prompt_mean.value = 300.0               # a cap (360) above the due time's rate (all 228 left): that rate
     assert chunks(step(sched)) == [("a", 1), ("b", 228)]
+    # a queue longer than a bunch: c would need 45 a step (more than 2 x the cap of 12) even by the latest due
+    # times, so it keeps its first due time as its latest, and b before it must go at c's pace
+    sched = paced_with_one_decode(now := [0.0], 256, max_num_batched_tokens=512, prompt_spread_max_s=2.0)
+    sched.prompt_mean.observe(10)
+    for rid, n in (("b", 300), ("c", 600)):
+        sched.add_request(Request(rid, [4] * n, SamplingParams(), arrival_time=0.0))
+    assert chunks(step(sched)) == [("a", 1), ("b", 90)]   # 900 tokens by c's due time, 10 steps away
+    assert sched._stretch_s == {"b": 1.0, "c": 0.0}
     with pytest.raises(ValueError, match="prompt_spread_max_s must be 0 .off. or more than prompt_spread_s"):
         SchedulerConfig(prompt_spread_s=0.3, prompt_spread_max_s=0.2)
     from moe_serve.server.cli import _engine_kwargs, build_parser

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from moe_serve.server.core.block_manager import BlockManager
-from moe_serve.server.core.pacing import (BURST, StepCost, StepTimer, TokenMean, prompt_tokens_per_step,
+from moe_serve.server.core.pacing import (BURST, OVERLOAD, StepCost, StepTimer, TokenMean, prompt_tokens_per_step,
                                           prompt_tokens_within)
 from moe_serve.server.core.request import Request, RequestStatus
 
@@ -96,6 +96,7 @@ class Scheduler:
         self.step_timer = StepTimer()      # recent step time, fed by the engine (record_step)
         self.step_cost = StepCost()        # a step's time against its decodes and prompt tokens (record_step)
         self.prompt_mean = TokenMean()     # prompt tokens per step beside decodes, lately (record_step)
+        self._stretch_s: dict[str, float] = {}  # request id -> seconds its latest due time adds (_latest_rate)
         self.shared_clock = shared_clock
         self._shared_now: float | None = None   # rank 0's clock at the last sync_clock
         self._last_shape: tuple[int, ...] | None = None   # the last step's shape (record_step), shared
@@ -140,19 +141,33 @@ class Scheduler:
         if cfg.prompt_spread_s == 0 or self.step_timer.seconds is None or 1 not in left:
             return cfg.max_num_batched_tokens  # nothing to pace, or no running stream to protect
         now = self.now()
-        pending = [(n, r.arrival_time + cfg.prompt_spread_s - now) for r, n in zip(self.running, left) if n > 1]
         room = cfg.max_num_seqs - len(self.running)
-        pending += [(r.num_tokens - r.num_computed_tokens, r.arrival_time + cfg.prompt_spread_s - now)
-                    for r in list(self.waiting)[:room]]
+        prompts = [(r, n) for r, n in zip(self.running, left) if n > 1]
+        prompts += [(r, r.num_tokens - r.num_computed_tokens) for r in list(self.waiting)[:room]]
+        pending = [(n, r.arrival_time + cfg.prompt_spread_s - now) for r, n in prompts]
         rate = prompt_tokens_per_step(pending, self.step_timer.seconds)
         if cfg.prompt_spread_max_s and self.prompt_mean.value is not None:  # a bunch of arrivals may stretch
-            later = cfg.prompt_spread_max_s - cfg.prompt_spread_s
-            latest = prompt_tokens_per_step([(n, s + later) for n, s in pending], self.step_timer.seconds)
-            rate = max(latest, min(rate, int(BURST * self.prompt_mean.value)))
+            cap = int(BURST * self.prompt_mean.value)
+            rate = max(self._latest_rate(prompts, pending, cap), min(rate, cap))
         if cfg.prompt_slowdown and (coef := self.step_cost.fit()) is not None:
             within = prompt_tokens_within(coef, left.count(1), cfg.prompt_slowdown)
             rate = max(rate, within if within is not None else 0)
         return max(cfg.min_prompt_chunk, rate)
+
+    def _latest_rate(self, prompts: list[tuple[Request, int]], pending: list[tuple[int, float]], cap: int) -> int:
+        """The prompt tokens a step that meet every prompt's latest due time. A prompt's latest due time is fixed
+        when first seen: arrival + prompt_spread_max_s, unless even by that it and the prompts before it would need
+        more than OVERLOAD x the cap a step (not a passing bunch but overload, where stretching only delays);
+        then arrival + prompt_spread_s."""
+        later, step_s = self.config.prompt_spread_max_s - self.config.prompt_spread_s, self.step_timer.seconds
+        for i, (request, n) in enumerate(prompts):
+            if request.request_id not in self._stretch_s:
+                trial = [(m, s + self._stretch_s[r.request_id]) for (r, m), (_, s) in zip(prompts[:i], pending[:i])]
+                trial.append((n, pending[i][1] + later))
+                fits = prompt_tokens_per_step(trial, step_s) <= OVERLOAD * cap
+                self._stretch_s[request.request_id] = later if fits else 0.0
+        latest = [(n, s + self._stretch_s[r.request_id]) for (r, n), (_, s) in zip(prompts, pending)]
+        return prompt_tokens_per_step(latest, step_s)
 
     def now(self) -> float:
         """The pacing's clock: this process's, or rank 0's at the last sync_clock (shared_clock)."""
@@ -310,6 +325,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
+        self._stretch_s.pop(request.request_id, None)
         self.block_manager.free(request)
         request.status = status
         request.finish_reason = status.finish_reason
