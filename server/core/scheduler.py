@@ -180,7 +180,7 @@ class Scheduler:
         step's shape waits for rank 0's time of it (sync_clock)."""
         if scheduler_output.is_empty:
             return
-        shape = ()  # (decodes, prompt tokens): what the step cost is fitted to, needed only by prompt_slowdown
+        shape = ()  # (decodes, prompt tokens): for the step-cost fit (prompt_slowdown) and the prompt mean (max spread)
         if self.config.prompt_slowdown or self.config.prompt_spread_max_s:
             scheduled = scheduler_output.scheduled
             shape = (sum(1 for s in scheduled if s.num_new_tokens == 1),
