@@ -182,8 +182,7 @@ def simulate(setting: dict, requests, output_len: int, coef: tuple[float, ...], 
             clock[0] = pending[0][0]
             continue
         out = sched.schedule()
-        decodes = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
-        prompt_tokens = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        decodes, prompt_tokens = out.shape
         seconds = step_cost_ms(coef, decodes, prompt_tokens) / 1e3 * (math.exp(rng.gauss(0.0, noise)) if noise else 1.0)
         clock[0] += seconds
         sched.record_step(out, seconds)

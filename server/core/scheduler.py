@@ -83,6 +83,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(decodes, prompt tokens): requests computing one token, and the tokens of prompt chunks."""
+        return (sum(1 for s in self.scheduled if s.num_new_tokens == 1),
+                sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1))
+
 
 class Scheduler:
     """`shared_clock`: under a multi-rank job every rank runs its own scheduler and all must decide alike, so
@@ -182,9 +188,7 @@ class Scheduler:
             return
         shape = ()  # (decodes, prompt tokens): for the step-cost fit (prompt_slowdown) and the prompt mean (max spread)
         if self.config.prompt_slowdown or self.config.prompt_spread_max_s:
-            scheduled = scheduler_output.scheduled
-            shape = (sum(1 for s in scheduled if s.num_new_tokens == 1),
-                     sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1))
+            shape = scheduler_output.shape
         if self.shared_clock:
             self._last_shape = shape
         else:

@@ -39,11 +39,8 @@ class StepTrace:
         """A step that began at `start` (clock()) and ends now; an empty one (a dummy batch) is not written."""
         if sched.is_empty:
             return
-        decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
-        self._file.write(f"{start:.6f} {self.clock():.6f} {decodes} {sched.num_batched_tokens - decodes} {outputs}\n")
-
-    def close(self) -> None:
-        self._file.close()
+        decodes, prompt_tokens = sched.shape
+        self._file.write(f"{start:.6f} {self.clock():.6f} {decodes} {prompt_tokens} {outputs}\n")
 
 
 def read_trace(path: Path) -> list[tuple[float, float, int, int, int]]:
