@@ -21,10 +21,10 @@ A cluster of arrivals is what still makes steps uneven at high load: every promp
 time, and prompt tokens lengthen the steps that carry them, so a step carries about R T / (1 - R c) of them (R
 prompt tokens arriving a second, T the decodes' step time, c a prompt token's cost), several times the mean when
 arrivals bunch up. A latest due time (`prompt_spread_max`) lets such a cluster stretch: while every prompt can
-still be done by arrival + that, a step carries at most BURST x the prompt tokens steps have carried lately
-(`TokenMean`), else the rate that meets the latest due times. Prompts start by arrival + spread where arrivals
-are even, and later only where they bunch; a prompt that arrives to a queue longer than a bunch (OVERLOAD) keeps
-arrival + spread as its latest, so that saturation is not slowed.
+still be done by arrival + that, a step carries at most BURST x the prompt tokens steps have carried lately (a
+`RunningMean` over about 50 steps), else the rate that meets the latest due times. Prompts start by arrival +
+spread where arrivals are even, and later only where they bunch; a prompt that arrives to a queue longer than a
+bunch (OVERLOAD) keeps arrival + spread as its latest, so that saturation is not slowed.
 
 Pure arithmetic; the scheduler calls it with what it knows (tokens left, seconds left, the recent steps).
 """
@@ -74,13 +74,6 @@ class RunningMean:
 
     def observe(self, x: float) -> None:
         self.value = x if self.value is None else self.forget * self.value + (1 - self.forget) * x
-
-
-class TokenMean(RunningMean):
-    """Prompt tokens per step, lately (zeros count)."""
-
-    def __init__(self, forget: float = 0.98):
-        super().__init__(forget)
 
 
 class StepTimer(RunningMean):

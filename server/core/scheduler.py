@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from moe_serve.server.core.block_manager import BlockManager
-from moe_serve.server.core.pacing import (BURST, OVERLOAD, StepCost, StepTimer, TokenMean, prompt_tokens_per_step,
+from moe_serve.server.core.pacing import (BURST, OVERLOAD, RunningMean, StepCost, StepTimer, prompt_tokens_per_step,
                                           prompt_tokens_within)
 from moe_serve.server.core.request import Request, RequestStatus
 
@@ -101,7 +101,7 @@ class Scheduler:
         self.clock = clock                 # the clock of Request.arrival_time (alone)
         self.step_timer = StepTimer()      # recent step time, fed by the engine (record_step)
         self.step_cost = StepCost()        # a step's time against its decodes and prompt tokens (record_step)
-        self.prompt_mean = TokenMean()     # prompt tokens per step beside decodes, lately (record_step)
+        self.prompt_mean = RunningMean(0.98)  # prompt tokens per step beside decodes, lately (record_step)
         self._stretch_s: dict[str, float] = {}  # request id -> seconds its latest due time adds (_latest_rate)
         self.shared_clock = shared_clock
         self._shared_now: float | None = None   # rank 0's clock at the last sync_clock
