@@ -57,7 +57,8 @@ def test_split_of_a_client_file_skips_failed_requests(tmp_path):
 def test_bench_peer_tables_the_split_per_rate(script):
     peer = script("bench_peer")
     run = {"client_ms": {"ratio": 1.6}, "engine_ms": {"ratio": 1.5}, "delivery_ms": {"p50": 1.2, "p99": 4.0}}
-    doc = {"runs": [{"rate": 10.0, "step_split": run}, {"rate": 10.0, "step_split": {**run, "engine_ms": {"ratio": 1.3}}},
+    slower = {**run, "engine_ms": {"ratio": 1.3}}
+    doc = {"runs": [{"rate": 10.0, "step_split": run}, {"rate": 10.0, "step_split": slower},
                     {"rate": 16.0, "step_split": run}]}
     lines = peer.step_split_lines(doc)
     assert "| 10 | 1.60 | 1.40 | 1.2 / 4.0 |" in lines and "| 16 | 1.60 | 1.50 | 1.2 / 4.0 |" in lines

@@ -63,8 +63,9 @@ def split_client_file(trace: Path, client_json: Path) -> dict:
     """split_gaps for a step trace and a `vllm bench serve --save-detailed` result file."""
     ends = sorted(end for _, end, *_ in read_trace(trace))
     res = json.loads(Path(client_json).read_text())
-    requests = [(start, ttft, itls) for start, ttft, itls, error in zip(
-        res["start_times"], res["ttfts"], res["itls"], res.get("errors") or [""] * len(res["itls"])) if not error and ttft]
+    errors = res.get("errors") or [""] * len(res["itls"])
+    rows = zip(res["start_times"], res["ttfts"], res["itls"], errors)
+    requests = [(start, ttft, itls) for start, ttft, itls, error in rows if not error and ttft]
     return split_gaps(ends, requests)
 
 
