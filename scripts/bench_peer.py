@@ -18,7 +18,9 @@ The client: ours (`server/tools/bench.py`, `--client moe`, the request set of st
 (`--client vllm`: `vllm bench serve` from the vLLM venv, its random dataset with the same lengths and seed,
 so both engines get the same prompts as text; its JSON results are read back into the same table). With
 `--step-trace` our servers also write a step trace and each run's inter-token gaps are split into the engine's and
-the delivery's (server/tools/step_split.py).
+the delivery's (server/tools/step_split.py). `--saturation-fractions 0.5 0.8` first measures our saturation rate
+(rate inf on `moe`) and adds rates at those fractions of it, so targets stated against saturation are measured at
+the machine's speed of the hour.
 
 Engine settings default to the best found for a 2-core machine (docs/benchmarks.md says how they were
 found); `--moe-args`, `--moe-env`, `--vllm-args`, `--vllm-env`, `--vllm-auto-env` change them. `moe-base` is
@@ -354,29 +356,17 @@ def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[be
             b = bench_args(args, spec.url, spec.name, None)
             b.request_rates, b.no_progress = [], True
             bench.run_benchmark(b, requests)
-        k = 0
         gate = QuietGate(args.quiet_cores, args.quiet_budget_s)
+        if args.saturation_fractions:
+            args.request_rates = probe_saturation(specs, args, requests, out, docs, gate)
+        k = 0
         for rep in range(args.repeats):
             for rate in args.request_rates:
                 order = specs if k % 2 == 0 else specs[::-1]
                 k += 1
                 for spec in order:
                     quiet = gate.wait()
-                    if args.client == "vllm":
-                        tag = f"{spec.name}-r{rep}-{rate:g}"
-                        row = vllm_client_run(spec, rate, args, out, tag)
-                        if args.step_trace and spec.name.startswith("moe"):
-                            row["step_split"] = split_client_file(step_trace_path(args, spec.name),
-                                                                  out / "vllm-client" / f"{tag}.json")
-                            print(f"[peer] {spec.name:>5} rep {rep} rate {rate:g}: {describe(row['step_split'])}",
-                                  flush=True)
-                        docs[spec.name].setdefault("meta", {"client": "vllm bench serve", "environment": bench.environment()})
-                    else:
-                        b = bench_args(args, spec.url, spec.name, None)
-                        b.request_rates, b.warmup_requests = [rate], 0
-                        doc = bench.run_benchmark(b, requests)
-                        row = doc["rates"][0]
-                        docs[spec.name].setdefault("meta", {k2: v for k2, v in doc.items() if k2 != "rates"})
+                    row = run_once(spec, rate, f"{spec.name}-r{rep}-{rate:g}", args, requests, out, docs)
                     row["repeat"], row["before_run"] = rep, quiet
                     docs[spec.name]["runs"].append(row)
                     print(f"[peer] {spec.name:>5} rep {rep} " + bench.format_table([row]).splitlines()[2]
@@ -394,6 +384,54 @@ def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[be
         print(bench.format_table(d["rates"], f"{name}: start-up {d['engine']['startup_s']:.1f} s "
                                              f"(median of {args.repeats} per rate, client {args.client})"), flush=True)
     return docs
+
+
+def run_once(spec: EngineSpec, rate: float, tag: str, args: argparse.Namespace, requests: list[bench.BenchRequest],
+             out: Path, docs: dict) -> dict:
+    """One run of the client against one engine at one rate: a row of the table (with the step split where
+    --step-trace asks for it)."""
+    if args.client == "vllm":
+        row = vllm_client_run(spec, rate, args, out, tag)
+        if args.step_trace and spec.name.startswith("moe"):
+            row["step_split"] = split_client_file(step_trace_path(args, spec.name), out / "vllm-client" / f"{tag}.json")
+            print(f"[peer] {spec.name:>5} {tag}: {describe(row['step_split'])}", flush=True)
+        docs[spec.name].setdefault("meta", {"client": "vllm bench serve", "environment": bench.environment()})
+        return row
+    b = bench_args(args, spec.url, spec.name, None)
+    b.request_rates, b.warmup_requests = [rate], 0
+    doc = bench.run_benchmark(b, requests)
+    docs[spec.name].setdefault("meta", {k: v for k, v in doc.items() if k != "rates"})
+    return doc["rates"][0]
+
+
+def fraction_rates(rates: list[float], fractions: list[float], saturation_rps: float) -> list[float]:
+    """--request-rates plus each fraction of the measured saturation rate (to 0.1 req/s), in order, `inf` last."""
+    return sorted(set(rates) | {round(f * saturation_rps, 1) for f in fractions})
+
+
+def probe_saturation(specs: list[EngineSpec], args: argparse.Namespace, requests: list[bench.BenchRequest],
+                     out: Path, docs: dict, gate: QuietGate) -> list[float]:
+    """--saturation-fractions: before the repeats, measure our saturation rate (completed requests per second at
+    rate inf, the median of --saturation-probes runs on `moe`, or the first engine where there is none) and place
+    rates at those fractions of it, so that "50% and 80% of saturation" are measured at this hour's speed of the
+    machine. The probe is kept in the engine's document; the run's own `inf` rows say where the rates ended up."""
+    import statistics
+
+    spec = next((s for s in specs if s.name == "moe"), specs[0])
+    rows = []
+    for i in range(args.saturation_probes):
+        quiet = gate.wait()
+        row = run_once(spec, math.inf, f"{spec.name}-probe{i}-inf", args, requests, out, docs)
+        row["before_run"] = quiet
+        rows.append(row)
+        print(f"[peer] {spec.name:>5} saturation probe {i}: {row['summary']['request_throughput']:.2f} req/s", flush=True)
+    sat = statistics.median(r["summary"]["request_throughput"] for r in rows)
+    rates = fraction_rates(args.request_rates, args.saturation_fractions, sat)
+    docs[spec.name]["saturation_probe"] = {"request_throughput": sat, "fractions": args.saturation_fractions,
+                                           "rates": [round(f * sat, 1) for f in args.saturation_fractions],
+                                           "runs": rows}
+    print(f"[peer] saturation {sat:.2f} req/s: rates {' '.join(f'{r:g}' for r in rates)}", flush=True)
+    return rates
 
 
 def bench_args(args: argparse.Namespace, base_url: str, label: str, result_json: str | None) -> argparse.Namespace:
@@ -512,7 +550,7 @@ def markdown(result: dict) -> str:
                          f"{t['p50']:.0f}{rng('ttft_p50', '.0f')} / {t['p99']:.0f} | {s['tpot_ms']['p50']:.1f}"
                          f"{rng('tpot_p50')} | {i['p50']:.1f} / {i['p99']:.0f}{rng('itl_p99', '.0f')} | "
                          f"{i['p99'] / i['p50'] if i['p50'] else float('nan'):.1f} |")
-        lines += step_split_lines(doc)
+        lines += step_split_lines(doc) + saturation_lines(doc)
         lines.append("")
     lines += ["| | " + " | ".join(result["engines"]) + " |", "|---|" + "---|" * len(result["engines"])]
     lines.append("| best goodput (req/s) at rate | " + " | ".join(
@@ -537,6 +575,22 @@ def markdown(result: dict) -> str:
         lines += [""] + [f"- {k}: " + ("undefined (its denominator is 0)" if v is None else f"{v:.2f}x")
                          for k, v in result["ratios"].items()]
     return "\n".join(lines) + "\n"
+
+
+def saturation_lines(doc: dict) -> list[str]:
+    """Where --saturation-fractions put its rates: against the probe that placed them and against the run's own
+    `inf` median (the machine's speed can move between the two)."""
+    probe = doc.get("saturation_probe")
+    if not probe:
+        return []
+    final = next((r["summary"]["request_throughput"] for r in doc["rates"] if math.isinf(r["rate"])), None)
+    placed = ", ".join(f"{f:.0%} -> {r:g} req/s" for f, r in zip(probe["fractions"], probe["rates"]))
+    line = (f"Rates at fractions of saturation: {placed}, from {probe['request_throughput']:.2f} req/s at `inf` "
+            f"(median of {len(probe['runs'])} runs before the repeats)")
+    if final:
+        line += ("; against this run's own `inf` median, " + f"{final:.2f} req/s, they sit at "
+                 + " / ".join(f"{r / final:.0%}" for r in probe["rates"]))
+    return ["", line + "."]
 
 
 def step_split_lines(doc: dict) -> list[str]:
@@ -617,6 +671,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per rate and engine (median and spread reported)")
     ap.add_argument("--client", default="moe", choices=["moe", "vllm"],
                     help="moe: our client (server/tools/bench.py); vllm: vLLM's own `vllm bench serve` from --vllm-venv")
+    ap.add_argument("--saturation-fractions", type=float, nargs="+", default=[],
+                    help="also run at these fractions of our saturation rate, measured first (e.g. 0.5 0.8)")
+    ap.add_argument("--saturation-probes", type=int, default=2, help="runs at inf that measure it (median)")
     ap.add_argument("--step-trace", action="store_true",
                     help="with --client vllm: our servers write a step trace (--out/NAME-steps.txt) and each run's "
                          "inter-token gaps are split into the engine steps' and the delivery's "

@@ -1,0 +1,41 @@
+"""scripts/bench_peer.py's placing of rates at fractions of the measured saturation rate (--saturation-fractions)."""
+
+import argparse
+import math
+
+
+def test_fraction_rates_join_the_given_rates_in_order(script):
+    peer = script("bench_peer")
+    assert peer.fraction_rates([1.0, 6.0, math.inf], [0.5, 0.8], 15.74) == [1.0, 6.0, 7.9, 12.6, math.inf]
+    assert peer.fraction_rates([math.inf], [0.5], 12.0) == [6.0, math.inf]
+    assert peer.fraction_rates([6.0], [0.5], 12.0) == [6.0]  # a rate already asked for runs once
+
+
+def test_probe_measures_saturation_on_our_engine_and_places_the_rates(script, monkeypatch, tmp_path):
+    peer = script("bench_peer")
+    seen = []
+
+    def fake_run(spec, rate, tag, args, requests, out, docs):
+        seen.append((spec.name, rate, tag))
+        return {"rate": rate, "summary": {"request_throughput": [16.0, 14.0, 20.0][len(seen) - 1]}}
+
+    class Gate:
+        def wait(self):
+            return {"other_busy_cores": 0.0}
+
+    monkeypatch.setattr(peer, "run_once", fake_run)
+    specs = [peer.EngineSpec("vllm", [], {}, "/health", 1), peer.EngineSpec("moe", [], {}, "/ready", 2)]
+    args = argparse.Namespace(saturation_fractions=[0.5, 0.8], saturation_probes=3, request_rates=[1.0, math.inf])
+    docs = {"vllm": {"runs": []}, "moe": {"runs": []}}
+    rates = peer.probe_saturation(specs, args, [], tmp_path, docs, Gate())
+    assert [s[:2] for s in seen] == [("moe", math.inf)] * 3  # ours, not the peer's
+    assert rates == [1.0, 8.0, 12.8, math.inf]  # median 16 req/s
+    probe = docs["moe"]["saturation_probe"]
+    assert probe["request_throughput"] == 16.0 and probe["rates"] == [8.0, 12.8] and len(probe["runs"]) == 3
+    assert "saturation_probe" not in docs["vllm"]
+
+    doc = {**docs["moe"], "rates": [{"rate": r, "summary": {"request_throughput": 12.8 if r == 1.0 else 16.0}}
+                                    for r in (1.0, 8.0, 12.8, math.inf)]}
+    line = peer.saturation_lines(doc)[-1]
+    assert "50% -> 8 req/s, 80% -> 12.8 req/s" in line and "sit at 50% / 80%" in line
+    assert peer.saturation_lines({"rates": []}) == []
