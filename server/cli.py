@@ -42,8 +42,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "instead of stalling on one long chunk; 0 (default) = as many prompt tokens per step as the "
                         "budget allows (docs/benchmarks.md, \"Serving speed, round 2\": when spreading pays)")
     p.add_argument("--min-prompt-chunk", type=int, default=16,
-                   help="with --prompt-spread-ms, the fewest prompt tokens a step carries while prompts wait (4 with "
-                        "a spread of 300 ms kept inter-token latency most even in docs/benchmarks.md)")
+                   help="with --prompt-spread-ms, the fewest prompt tokens a step carries while prompts wait (16 with a "
+                        "spread of 300 and a latest due time of 450 ms gave the lowest inter-token p99 near "
+                        "saturation in docs/benchmarks.md; smaller slices even out steps at light load but cost "
+                        "more a token)")
     p.add_argument("--prompt-slowdown", type=float, default=0.0,
                    help="with --prompt-spread-ms: while decodes run, waiting prompts get as many tokens a step as keep "
                         "the step within this many times what its decodes alone take (from a fit of the measured "
