@@ -428,6 +428,9 @@ def probe_saturation(specs: list[EngineSpec], args: argparse.Namespace, requests
         rows.append(row)
         print(f"[peer] {spec.name:>5} saturation probe {i}: {row['summary']['request_throughput']:.2f} req/s", flush=True)
     sat = statistics.median(r["summary"]["request_throughput"] for r in rows)
+    if not round(min(args.saturation_fractions) * sat, 1) > 0:
+        raise RuntimeError(f"the saturation probe measured {sat:.3f} req/s on {spec.name}: too few completed "
+                           f"requests to place rates at {args.saturation_fractions} of it (see {out}/{spec.name}.log)")
     rates = fraction_rates(args.request_rates, args.saturation_fractions, sat)
     docs[spec.name]["saturation_probe"] = {"request_throughput": sat, "fractions": args.saturation_fractions,
                                            "rates": [round(f * sat, 1) for f in args.saturation_fractions],
@@ -699,6 +702,8 @@ def main() -> int:
     ap.add_argument("--hf-timeout-s", type=float, default=300.0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
+    if any(not 0 < f <= 1 for f in args.saturation_fractions):
+        raise SystemExit(f"--saturation-fractions must be in (0, 1], got {args.saturation_fractions}")
     if args.step_trace and args.client != "vllm":
         raise SystemExit("--step-trace splits vLLM's client's per-token times: use it with --client vllm")
     t_all = time.perf_counter()

@@ -3,6 +3,8 @@
 import argparse
 import math
 
+import pytest
+
 
 def test_fraction_rates_join_the_given_rates_in_order(script):
     peer = script("bench_peer")
@@ -39,3 +41,12 @@ def test_probe_measures_saturation_on_our_engine_and_places_the_rates(script, mo
     line = peer.saturation_lines(doc)[-1]
     assert "50% -> 8 req/s, 80% -> 12.8 req/s" in line and "sit at 50% / 80%" in line
     assert peer.saturation_lines({"rates": []}) == []
+
+
+def test_probe_that_completes_nothing_says_so(script, monkeypatch, tmp_path):
+    peer = script("bench_peer")
+    monkeypatch.setattr(peer, "run_once", lambda *a: {"rate": math.inf, "summary": {"request_throughput": 0.0}})
+    gate = type("Gate", (), {"wait": lambda self: {}})()
+    args = argparse.Namespace(saturation_fractions=[0.5], saturation_probes=1, request_rates=[math.inf])
+    with pytest.raises(RuntimeError, match="measured 0.000 req/s"):
+        peer.probe_saturation([peer.EngineSpec("moe", [], {}, "/ready", 2)], args, [], tmp_path, {"moe": {}}, gate)
