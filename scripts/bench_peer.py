@@ -406,9 +406,14 @@ def run_once(spec: EngineSpec, rate: float, tag: str, args: argparse.Namespace, 
     return doc["rates"][0]
 
 
+def placed_rates(fractions: list[float], saturation_rps: float) -> list[float]:
+    """Each fraction of the measured saturation rate, to 0.1 req/s."""
+    return [round(f * saturation_rps, 1) for f in fractions]
+
+
 def fraction_rates(rates: list[float], fractions: list[float], saturation_rps: float) -> list[float]:
-    """--request-rates plus each fraction of the measured saturation rate (to 0.1 req/s), in order, `inf` last."""
-    return sorted(set(rates) | {round(f * saturation_rps, 1) for f in fractions})
+    """--request-rates plus the placed rates, in order, `inf` last."""
+    return sorted(set(rates) | set(placed_rates(fractions, saturation_rps)))
 
 
 def probe_saturation(specs: list[EngineSpec], args: argparse.Namespace, requests: list[bench.BenchRequest],
@@ -428,13 +433,13 @@ def probe_saturation(specs: list[EngineSpec], args: argparse.Namespace, requests
         rows.append(row)
         print(f"[peer] {spec.name:>5} saturation probe {i}: {row['summary']['request_throughput']:.2f} req/s", flush=True)
     sat = statistics.median(r["summary"]["request_throughput"] for r in rows)
-    if not round(min(args.saturation_fractions) * sat, 1) > 0:
+    placed = placed_rates(args.saturation_fractions, sat)
+    if not min(placed) > 0:
         raise RuntimeError(f"the saturation probe measured {sat:.3f} req/s on {spec.name}: too few completed "
                            f"requests to place rates at {args.saturation_fractions} of it (see {out}/{spec.name}.log)")
     rates = fraction_rates(args.request_rates, args.saturation_fractions, sat)
     docs[spec.name]["saturation_probe"] = {"request_throughput": sat, "fractions": args.saturation_fractions,
-                                           "rates": [round(f * sat, 1) for f in args.saturation_fractions],
-                                           "runs": rows}
+                                           "rates": placed, "runs": rows}
     print(f"[peer] saturation {sat:.2f} req/s: rates {' '.join(f'{r:g}' for r in rates)}", flush=True)
     return rates
 

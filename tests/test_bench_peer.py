@@ -6,6 +6,11 @@ import math
 import pytest
 
 
+class Gate:  # bench_peer's QuietGate, always quiet
+    def wait(self):
+        return {"other_busy_cores": 0.0}
+
+
 def test_fraction_rates_join_the_given_rates_in_order(script):
     peer = script("bench_peer")
     assert peer.fraction_rates([1.0, 6.0, math.inf], [0.5, 0.8], 15.74) == [1.0, 6.0, 7.9, 12.6, math.inf]
@@ -20,10 +25,6 @@ def test_probe_measures_saturation_on_our_engine_and_places_the_rates(script, mo
     def fake_run(spec, rate, tag, args, requests, out, docs):
         seen.append((spec.name, rate, tag))
         return {"rate": rate, "summary": {"request_throughput": [16.0, 14.0, 20.0][len(seen) - 1]}}
-
-    class Gate:
-        def wait(self):
-            return {"other_busy_cores": 0.0}
 
     monkeypatch.setattr(peer, "run_once", fake_run)
     specs = [peer.EngineSpec("vllm", [], {}, "/health", 1), peer.EngineSpec("moe", [], {}, "/ready", 2)]
@@ -46,7 +47,6 @@ def test_probe_measures_saturation_on_our_engine_and_places_the_rates(script, mo
 def test_probe_that_completes_nothing_says_so(script, monkeypatch, tmp_path):
     peer = script("bench_peer")
     monkeypatch.setattr(peer, "run_once", lambda *a: {"rate": math.inf, "summary": {"request_throughput": 0.0}})
-    gate = type("Gate", (), {"wait": lambda self: {}})()
     args = argparse.Namespace(saturation_fractions=[0.5], saturation_probes=1, request_rates=[math.inf])
     with pytest.raises(RuntimeError, match="measured 0.000 req/s"):
-        peer.probe_saturation([peer.EngineSpec("moe", [], {}, "/ready", 2)], args, [], tmp_path, {"moe": {}}, gate)
+        peer.probe_saturation([peer.EngineSpec("moe", [], {}, "/ready", 2)], args, [], tmp_path, {"moe": {}}, Gate())
