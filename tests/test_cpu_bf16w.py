@@ -69,7 +69,7 @@ needs_tiles = pytest.mark.skipif(not cpu_build.tile_rows(), reason="no bf16 prod
 
 
 @needs_tiles
-@pytest.mark.parametrize("rows", [16, 17, 31, 33, 100, 513, 2048])
+@pytest.mark.parametrize("rows", [16, 17, 20, 24, 31, 33, 56, 100, 513, 2048])
 @pytest.mark.parametrize("K,O", [(64, 48), (512, 1024), (256, 80)])
 def test_tiles_round_x_to_bf16_and_sum_in_float32(rows, K, O, float32_products):
     """On the AMX and AVX512-BF16 builds a product of 16+ rows by a bf16 weight (K a multiple of 32, O of 16)
