@@ -64,8 +64,8 @@ class CpuBackend(TorchBackend):
             cpu_build.isa(), "AVX2 + FMA")
         where = "the AMX tiles" if cpu_build.isa() == "amx" else "AVX512-BF16 dot products"
         tiles = cpu_build.tile_rows()
-        amx = (f"; products of {tiles}+ rows by bf16 weights on {where} in bf16 (float32 sums)" if tiles
-               else "")
+        weights = "bf16 and FP8 weights" if cpu_build.isa() == "avx512bf16" else "bf16 weights"
+        amx = (f"; products of {tiles}+ rows by {weights} on {where} in bf16 (float32 sums)" if tiles else "")
         return (f"C kernels ({isa}), float32 activations, bf16 and FP8 weights widened as used{amx}, "
                 "one call per decoder layer for decode steps")
 

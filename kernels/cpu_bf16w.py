@@ -14,7 +14,9 @@ F.linear (MKL). The reference is F.linear(x, w.float(), b).
 FP8 weights (float8_e4m3fn [O, K] with DeepSeek-V3's float32 block scales `scale_inv` [ceil(O / bo),
 ceil(K / bk)], `block` = (bo, bk), both multiples of 8) go through csrc/linear_fp8w.cpp the same way, a
 quarter of float32's bytes; the reference is F.linear on the dequantised weight (kernels.reference.
-dequant_fp8_block), which the kernel equals up to the order of float32 sums.
+dequant_fp8_block), which the kernel equals up to the order of float32 sums. On the AVX512-BF16 build,
+products of cpu_build.tile_rows()+ rows by FP8 weights in blocks of a multiple of 16 rows take the bf16 dot
+products too (the weight widened exactly, x rounded to bf16: `tiles_take`, `reference`).
 
 kernels/cpu_build.py builds the kernels as torch ops (torch.ops.moe_serve.mm_wt / bmm_wt). Without a
 compiler, or on a CPU without AVX2, FMA and F16C, every call takes the reference path: the same results,
@@ -49,12 +51,15 @@ def _dense(w: torch.Tensor, scale_inv: torch.Tensor | None, block: Block | None)
     return dequant_fp8_block(w, scale_inv, block)
 
 
-def tiles_take(rows: int, K: int, O: int, scale_inv: torch.Tensor | None = None) -> bool:
+def tiles_take(rows: int, K: int, O: int, scale_inv: torch.Tensor | None = None, block: Block | None = None) -> bool:
     """Whether the kernel runs a product of `rows` rows by this weight in bf16, rounding x (the AMX tiles,
-    csrc/linear_amx.cpp, or AVX512-BF16 dot products, csrc/linear_dpbf16.cpp: a bf16 weight, K a multiple of
-    32, O of 16, at least cpu_build.tile_rows() rows)."""
+    csrc/linear_amx.cpp, or AVX512-BF16 dot products, csrc/linear_dpbf16.cpp: K a multiple of 32, O of 16, at
+    least cpu_build.tile_rows() rows; a bf16 weight, or on AVX512-BF16 an FP8 one in blocks of a multiple of 16
+    rows, each block of 32 weight rows widened to bf16 exactly and each block of inputs' sum scaled)."""
     tiles = cpu_build.tile_rows()
-    return scale_inv is None and 0 < tiles <= rows and K % 32 == 0 and O % 16 == 0
+    if scale_inv is not None and not (cpu_build.isa() == "avx512bf16" and block is not None and block[0] % 16 == 0):
+        return False
+    return 0 < tiles <= rows and K % 32 == 0 and O % 16 == 0
 
 
 def reference(x_MK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None = None,
@@ -62,7 +67,7 @@ def reference(x_MK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | Non
     """What the kernel computes, in torch: F.linear on the widened weight, of x rounded to bf16 where the
     product goes to the tiles (AMX or AVX512-BF16)."""
     rows = x_MK.numel() // max(1, x_MK.shape[-1])
-    if tiles_take(rows, w_OK.shape[1], w_OK.shape[0], scale_inv):
+    if tiles_take(rows, w_OK.shape[1], w_OK.shape[0], scale_inv, block):
         x_MK = x_MK.bfloat16().float()
     return F.linear(x_MK, _dense(w_OK, scale_inv, block), None if bias_O is None else bias_O.float())
 
@@ -74,13 +79,14 @@ def _weight_fits(w: torch.Tensor, scale_inv: torch.Tensor | None) -> bool:
             and (scale_inv is None or scale_inv.dtype == torch.float32))
 
 
-def _fits(x_MK: torch.Tensor, w_OK: torch.Tensor, scale_inv: torch.Tensor | None = None) -> bool:
+def _fits(x_MK: torch.Tensor, w_OK: torch.Tensor, scale_inv: torch.Tensor | None = None,
+          block: Block | None = None) -> bool:
     """Whether x w^T can go through the C kernel: float32 x with unit column stride, a bf16 (or FP8) w with
     unit stride in K, 1 to MAX_ROWS rows (any number that the AMX tiles take), on CPU, and the kernels built."""
     rows = x_MK.shape[0]
     return (0 < rows and x_MK.dtype == torch.float32 and x_MK.is_cpu and x_MK.stride(1) == 1
             and _weight_fits(w_OK, scale_inv) and available()
-            and (rows <= MAX_ROWS or tiles_take(rows, w_OK.shape[1], w_OK.shape[0], scale_inv)))
+            and (rows <= MAX_ROWS or tiles_take(rows, w_OK.shape[1], w_OK.shape[0], scale_inv, block)))
 
 
 def _block(scale_inv: torch.Tensor | None, block: Block | None) -> list[int]:
@@ -98,7 +104,7 @@ def linear(x_TK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None =
     rows_MK = x_TK if x_TK.dim() == 2 else x_TK.reshape(-1, x_TK.shape[-1])
     if rows_MK.stride(-1) != 1:
         rows_MK = rows_MK.contiguous()
-    if not _fits(rows_MK, w_OK, scale_inv):
+    if not _fits(rows_MK, w_OK, scale_inv, block):
         return reference(x_TK, w_OK, bias_O, scale_inv, block)
     y_MO = rows_MK.new_empty(rows_MK.shape[0], w_OK.shape[0])
     torch.ops.moe_serve.mm_wt(rows_MK, w_OK, scale_inv, _block(scale_inv, block), y_MO)
@@ -148,7 +154,7 @@ def kernel_row_limit(shapes_OK: list[tuple[int, int]], candidates: tuple[int, ..
 def mm_into(x_MK: torch.Tensor, w_OK: torch.Tensor, out_MO: torch.Tensor, scale_inv: torch.Tensor | None = None,
             block: Block | None = None) -> None:
     """out = x w^T for float32 x and out and a bf16 (or FP8) w (an expert's GEMM in kernels/fused_moe_torch.py)."""
-    if _fits(x_MK, w_OK, scale_inv) and out_MO.dtype == torch.float32 and out_MO.stride(1) == 1:
+    if _fits(x_MK, w_OK, scale_inv, block) and out_MO.dtype == torch.float32 and out_MO.stride(1) == 1:
         torch.ops.moe_serve.mm_wt(x_MK, w_OK, scale_inv, _block(scale_inv, block), out_MO)
     else:
         torch.mm(x_MK, _dense(w_OK, scale_inv, block).t(), out=out_MO)

@@ -263,3 +263,71 @@ def test_decode_layer_checks_fp8_weights_and_steps():
         kernel.forward(x, cs, cs, cache, torch.tensor([8]), one, torch.tensor([[0]]), torch.tensor([1]), 1)
     with pytest.raises(ValueError, match="a context of 5 tokens does not fit 1 blocks of 4"):
         kernel.forward(x, cs, cs, cache, one, one, torch.tensor([[0]]), torch.tensor([5]), 5)
+
+
+fp8_dot_products = pytest.mark.skipif(cpu_build.isa() != "avx512bf16" or not cpu_build.tile_rows(),
+                                      reason="FP8 weights take bf16 dot products only in the AVX512-BF16 build")
+
+
+@fp8_dot_products
+@pytest.mark.parametrize("M", [16, 17, 20, 48, 100, 513])
+@pytest.mark.parametrize("O,K,block", [(1024, 512, (128, 128)), (64, 96, (16, 16)), (96, 512, (32, 64)),
+                                       (48, 64, (16, 24))])
+def test_fp8_products_of_many_rows_on_bf16_dot_products(M, O, K, block, float32_products):
+    """On the AVX512-BF16 build a product of 16+ rows by an FP8 weight in blocks of a multiple of 16 rows (K a
+    multiple of 32, O of 16) widens the weight to bf16 exactly and rounds x to bf16: it equals F.linear on x
+    rounded and the dequantised weight, to the order of float32 sums, and not the float32 product, which runs
+    with the products off, below 16 rows and for blocks of 8 rows."""
+    g = torch.Generator().manual_seed(M + O + K)
+    w, s = _fp8(O, K, block=block, g=g)
+    x = torch.randn(M, K, generator=g)
+    dense = _dense(w, s, block)
+    exact, rounded = F.linear(x, dense), F.linear(x.bfloat16().float(), dense)
+    torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=block), exact, rtol=1e-5, atol=1e-4)  # off
+    assert cpu_build.tile_rows(cpu_build.TILE_ROWS) == cpu_build.TILE_ROWS
+    assert cpu_bf16w.tiles_take(M, K, O, s, block)
+    on = cpu_bf16w.linear(x, w, scale_inv=s, block=block)
+    torch.testing.assert_close(on, rounded, rtol=1e-5, atol=1e-4)
+    assert (on - exact).abs().max() > 1e-3  # x really rounded
+    torch.testing.assert_close(cpu_bf16w.reference(x, w, scale_inv=s, block=block), rounded)
+    torch.testing.assert_close(cpu_bf16w.linear(x[:15], w, scale_inv=s, block=block), exact[:15], rtol=1e-5, atol=1e-4)
+    w8, s8 = _fp8(O, K, block=(8, 8), g=g)  # blocks of 8 rows: the float32 kernel
+    assert not cpu_bf16w.tiles_take(M, K, O, s8, (8, 8))
+    torch.testing.assert_close(cpu_bf16w.linear(x, w8, scale_inv=s8, block=(8, 8)), F.linear(x, _dense(w8, s8, (8, 8))),
+                               rtol=1e-5, atol=1e-4)
+
+
+@fp8_dot_products
+def test_fp8_dot_products_over_two_threads_in_heads_and_experts(float32_products):
+    """The FP8 dot products split over two threads (each widening its own blocks of weight rows), in per-head
+    products (16+ rows a head) and in experts of 16+ rows (x rounded for w13, the SiLU product for w2)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    cpu_build.tile_rows(cpu_build.TILE_ROWS)
+    try:
+        g = torch.Generator().manual_seed(3)
+        w, s = _fp8(2048, 512, block=(128, 128), g=g)
+        x = torch.randn(64, 512, generator=g)
+        torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=(128, 128)),
+                                   F.linear(x.bfloat16().float(), _dense(w, s, (128, 128))), rtol=1e-5, atol=1e-4)
+        wh, sh = _fp8(64, 128, block=(32, 32), g=g, lead=(4,))
+        xh = torch.randn(20, 4, 128, generator=g).transpose(0, 1)  # rows strided by heads, as the model passes them
+        dense_h = torch.stack([_dense(wh[b], sh[b], (32, 32)) for b in range(4)])
+        torch.testing.assert_close(cpu_bf16w.bmm(xh, wh, sh, (32, 32)),
+                                   torch.bmm(xh.bfloat16().float(), dense_h.transpose(1, 2)), rtol=1e-5, atol=1e-4)
+        T, H, I, block = 40, 64, 32, (16, 16)
+        w13, s13 = _fp8(2 * I, H, block=block, g=g, lead=(2,))
+        w2, s2 = _fp8(H, I, block=block, g=g, lead=(2,))
+        x = torch.randn(T, H, generator=g)
+        ids = torch.tensor([0] * 24 + [1] * 16).unsqueeze(1)
+        weights = torch.rand(T, 1, generator=g)
+        want = torch.empty(T, H)
+        for e in range(2):
+            rows = (ids[:, 0] == e).nonzero().flatten()
+            gate, up = F.linear(x[rows].bfloat16().float(), _dense(w13[e], s13[e], block)).chunk(2, dim=-1)
+            h = (F.silu(gate) * up).bfloat16().float()
+            want[rows] = F.linear(h, _dense(w2[e], s2[e], block)) * weights[rows]
+        got = cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, block=block)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)

@@ -107,7 +107,7 @@ int64_t expert_tile_rows(void) { return tile_rows > EXPERT_TILE_ROWS ? EXPERT_TI
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows) {
     int64_t Mp;
-    uint32_t *xp = packed_x_for(w, M, K, O, min_rows, &Mp);
+    uint32_t *xp = packed_x_for(w, M, K, O, min_rows, &Mp, 0);
     if (!xp) return 0;
     const uint16_t *wd = (const uint16_t *)w->data;
     int64_t ldw = w->ld, blocks = (O + 31) / 32;

@@ -9,7 +9,7 @@
  * bottleneck). Results equal the reference up to float32 rounding: the reference rounds each w * scale
  * before multiplying by x, this kernel rounds the block's sum; with one nonzero term, w * scale exactly.
  * The blocks of rows and their accumulators are as in linear_bf16w.cpp, whose drivers (tiles, threads,
- * batches) call fp8w_block.
+ * batches) call fp8w_block. In the AVX512-BF16 build, products of tile_rows+ rows go to linear_dpbf16.cpp instead.
  */
 #include "bf16w.h"
 

@@ -69,10 +69,11 @@ static inline void pack_x_rows(const float *x, int64_t ldx, int64_t M, int64_t K
 }
 
 /* The shared start of a bf16 product: NULL where the bf16 kernels do not take it (off, fewer than min_rows
- * rows, an FP8 weight, K not a multiple of 32, O not one of 16) or memory ran out; else room in this thread's
- * scratch for x packed by pack_x (K / 2 x Mp pairs), with *Mp = M rounded up to 16. */
-static inline uint32_t *packed_x_for(const Weight *w, int64_t M, int64_t K, int64_t O, int64_t min_rows, int64_t *Mp) {
-    if (!min_rows || M < min_rows || w->scale || K % 32 || O % 16) return NULL;
+ * rows, an FP8 weight unless fp8 is set, K not a multiple of 32, O not one of 16) or memory ran out; else room in
+ * this thread's scratch for x packed by pack_x (K / 2 x Mp pairs), with *Mp = M rounded up to 16. */
+static inline uint32_t *packed_x_for(const Weight *w, int64_t M, int64_t K, int64_t O, int64_t min_rows, int64_t *Mp,
+                                     int fp8) {
+    if (!min_rows || M < min_rows || (w->scale && !fp8) || K % 32 || O % 16) return NULL;
     *Mp = (M + 15) & ~(int64_t)15;
     return (uint32_t *)thread_scratch((size_t)(K / 2) * (size_t)*Mp * 4);
 }
