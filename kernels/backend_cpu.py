@@ -64,7 +64,8 @@ class CpuBackend(TorchBackend):
             cpu_build.isa(), "AVX2 + FMA")
         where = "the AMX tiles" if cpu_build.isa() == "amx" else "AVX512-BF16 dot products"
         tiles = cpu_build.tile_rows()
-        weights = "bf16 and FP8 weights" if cpu_build.isa() == "avx512bf16" else "bf16 weights"
+        weights = ("bf16 weights (FP8 ones too, served in bf16)" if cpu_build.isa() == "avx512bf16"
+                   else "bf16 weights")
         amx = (f"; products of {tiles}+ rows by {weights} on {where} in bf16 (float32 sums)" if tiles else "")
         return (f"C kernels ({isa}), float32 activations, bf16 and FP8 weights widened as used{amx}, "
                 "one call per decoder layer for decode steps")
@@ -76,6 +77,9 @@ class CpuBackend(TorchBackend):
         for p in model.parameters():
             if p.dim() == 1 and p.is_floating_point() and p.dtype != torch.float32:
                 p.data = p.data.float()
+        # FP8 products of many rows on bf16 dot products (AVX512-BF16) for a model served in bf16, x rounded as
+        # for its bf16 weights; served in float32 they stay float32 (the exact dequantised reference)
+        cpu_build.fp8_tiles(getattr(model, "serving_dtype", torch.float32) == torch.bfloat16)
         self.linear_row_limit = cpu_bf16w.kernel_row_limit(_linear_shapes(model))
         log.info("cpu backend: linears of bf16 weights take the C kernel up to %d rows, MKL on a widened copy "
                  "beyond (measured on this machine)", self.linear_row_limit)

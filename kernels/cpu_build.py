@@ -163,6 +163,16 @@ def tile_rows(rows: int | None = None) -> int:
     return torch.ops.moe_serve.set_tile_rows(-1 if rows is None else max(0, rows))
 
 
+def fp8_tiles(on: bool | None = None) -> bool:
+    """Whether products of tile_rows()+ rows by FP8 weights take the bf16 dot products too (x rounded to bf16, the
+    weight widened exactly: csrc/linear_dpbf16.cpp), after setting it to `on` where given. Only the AVX512-BF16
+    build can; off until set: the CPU backend turns it on for a model served in bf16 and off for one served in
+    float32 (kernels/backend_cpu.py), whose FP8 products then stay float32. One setting per process."""
+    if not available() or isa() != "avx512bf16":
+        return False
+    return bool(torch.ops.moe_serve.set_fp8_tiles(-1 if on is None else int(on)))
+
+
 @contextlib.contextmanager
 def kernel_threads():
     """For the length of a block (an engine step), the kernels run on torch's thread count and torch's own ops

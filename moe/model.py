@@ -220,6 +220,7 @@ class DeepseekForCausalLM(nn.Module):
         """placement: per MoE layer index, the expert held by each physical slot of the EP group."""
         super().__init__()
         self.config = cfg
+        self.serving_dtype = torch.get_default_dtype()  # the runner builds the model under the serving dtype
         self.model = DeepseekModel(cfg, tp_group, ep_group, layer_range, placement)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp_group) if self.model.is_last else None
         if cfg.tie_word_embeddings:

@@ -269,15 +269,25 @@ fp8_dot_products = pytest.mark.skipif(cpu_build.isa() != "avx512bf16" or not cpu
                                       reason="FP8 weights take bf16 dot products only in the AVX512-BF16 build")
 
 
+@pytest.fixture
+def fp8_tiles_on():
+    """FP8 products of many rows on the bf16 dot products, as for a model served in bf16 (the backend's setting)."""
+    before = cpu_build.fp8_tiles()
+    assert cpu_build.fp8_tiles(True)
+    yield
+    cpu_build.fp8_tiles(before)
+
+
 @fp8_dot_products
 @pytest.mark.parametrize("M", [16, 17, 20, 48, 100, 513])
 @pytest.mark.parametrize("O,K,block", [(1024, 512, (128, 128)), (64, 96, (16, 16)), (96, 512, (32, 64)),
                                        (48, 64, (16, 24))])
-def test_fp8_products_of_many_rows_on_bf16_dot_products(M, O, K, block, float32_products):
-    """On the AVX512-BF16 build a product of 16+ rows by an FP8 weight in blocks of a multiple of 16 rows (K a
-    multiple of 32, O of 16) widens the weight to bf16 exactly and rounds x to bf16: it equals F.linear on x
-    rounded and the dequantised weight, to the order of float32 sums, and not the float32 product, which runs
-    with the products off, below 16 rows and for blocks of 8 rows."""
+def test_fp8_products_of_many_rows_on_bf16_dot_products(M, O, K, block, float32_products, fp8_tiles_on):
+    """On the AVX512-BF16 build, for a model served in bf16, a product of 16+ rows by an FP8 weight in blocks of a
+    multiple of 16 rows (K a multiple of 32, O of 16) widens the weight to bf16 exactly and rounds x to bf16: it
+    equals F.linear on x rounded and the dequantised weight, to the order of float32 sums, and not the float32
+    product, which runs with the products off, for a model served in float32, below 16 rows and for blocks of 8
+    rows."""
     g = torch.Generator().manual_seed(M + O + K)
     w, s = _fp8(O, K, block=block, g=g)
     x = torch.randn(M, K, generator=g)
@@ -291,6 +301,10 @@ def test_fp8_products_of_many_rows_on_bf16_dot_products(M, O, K, block, float32_
     assert (on - exact).abs().max() > 1e-3  # x really rounded
     torch.testing.assert_close(cpu_bf16w.reference(x, w, scale_inv=s, block=block), rounded)
     torch.testing.assert_close(cpu_bf16w.linear(x[:15], w, scale_inv=s, block=block), exact[:15], rtol=1e-5, atol=1e-4)
+    cpu_build.fp8_tiles(False)  # a model served in float32: FP8 products stay float32
+    assert not cpu_bf16w.tiles_take(M, K, O, s, block)
+    torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=block), exact, rtol=1e-5, atol=1e-4)
+    cpu_build.fp8_tiles(True)
     w8, s8 = _fp8(O, K, block=(8, 8), g=g)  # blocks of 8 rows: the float32 kernel
     assert not cpu_bf16w.tiles_take(M, K, O, s8, (8, 8))
     torch.testing.assert_close(cpu_bf16w.linear(x, w8, scale_inv=s8, block=(8, 8)), F.linear(x, _dense(w8, s8, (8, 8))),
@@ -298,7 +312,7 @@ def test_fp8_products_of_many_rows_on_bf16_dot_products(M, O, K, block, float32_
 
 
 @fp8_dot_products
-def test_fp8_dot_products_over_two_threads_in_heads_and_experts(float32_products):
+def test_fp8_dot_products_over_two_threads_in_heads_and_experts(float32_products, fp8_tiles_on):
     """The FP8 dot products split over two threads (each widening its own blocks of weight rows), in per-head
     products (16+ rows a head) and in experts of 16+ rows (x rounded for w13, the SiLU product for w2)."""
     before = torch.get_num_threads()

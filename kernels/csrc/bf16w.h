@@ -241,6 +241,10 @@ int64_t set_tile_rows(int64_t rows);
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows);
 int64_t expert_tile_rows(void);
+/* Whether products by FP8 weights take the bf16 dot products as well (from the same rows; only the AVX512-BF16
+ * build can: linear_dpbf16.cpp), after setting it where on >= 0; off until set. The CPU backend sets it for a
+ * model served in bf16 (kernels/backend_cpu.py), not for one served in float32, whose FP8 products stay float32. */
+int64_t set_fp8_tiles(int64_t on);
 /* Rows o0 .. o0 + O of an FP8 weight against MB <= 8 rows of x, into y[:, 0..O) (linear_fp8w.cpp). */
 void fp8w_block(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
                 int64_t K, int64_t O);

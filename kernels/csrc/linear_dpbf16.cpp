@@ -17,7 +17,8 @@
  * where y rows are long). A last block of up to 8 rows (M = 20: 4) goes along K instead (tail_rows), where a
  * block of 16 lanes would be mostly zeros: products of 17-24 rows took 12-25% less time on a Zen 5 VM.
  *
- * FP8 weights (block scales, bf16w.h's Weight) in blocks of a multiple of 16 rows take the same path: each thread
+ * FP8 weights (block scales, bf16w.h's Weight) in blocks of a multiple of 16 rows take the same path where
+ * set_fp8_tiles turned it on (a model served in bf16): each thread
  * widens its 32 weight rows to bf16 once (widen_fp8: exactly, an e4m3 value having 4 significant bits), and
  * rows_block sums each block of bk inputs apart, adding it times the block's scale. The reference is then
  * F.linear(x.bfloat16().float(), the dequantised weight): x is rounded as for a bf16 weight, the weight is not.
@@ -149,14 +150,21 @@ int64_t set_tile_rows(int64_t rows) {
     return dp_rows;
 }
 
-int64_t expert_tile_rows(void) { return dp_rows; }  /* not measured lower on this build */
+int64_t expert_tile_rows(void) { return dp_rows; }
+
+static int64_t fp8_on; /* FP8 weights too (set_fp8_tiles) */
+
+int64_t set_fp8_tiles(int64_t on) {
+    if (on >= 0) fp8_on = on != 0;
+    return fp8_on;
+}  /* not measured lower on this build */
 
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows) {
     int64_t Mp;
     /* FP8 weights in blocks of a multiple of 16 rows (the scale is one for the 8 or 16 rows that rows_block takes) */
     const int fp8 = w->scale != NULL;
-    uint32_t *xp = packed_x_for(w, M, K, O, min_rows, &Mp, fp8 && w->bo % 16 == 0 && w->bk % 2 == 0);
+    uint32_t *xp = packed_x_for(w, M, K, O, min_rows, &Mp, fp8 && fp8_on && w->bo % 16 == 0 && w->bk % 2 == 0);
     if (!xp) return 0;
     const uint16_t *wd = (const uint16_t *)w->data;
     int64_t ldw = w->ld, blocks = (O + 31) / 32;

@@ -448,6 +448,7 @@ TORCH_LIBRARY(moe_serve, m) {
     m.def("values_t(Tensor v, Tensor(a!) out) -> ()");
     m.def("set_tile_rows(int rows) -> int", &set_tile_rows);
     m.def("expert_tile_rows() -> int", &expert_tile_rows);
+    m.def("set_fp8_tiles(int on) -> int", &set_fp8_tiles);
     m.def("set_kernel_threads(int threads) -> int", &set_kernel_threads);
     m.def("decode_layer(Tensor(a!) x, Tensor?[] weights, int[] config, float[] scalars, Tensor cos, Tensor sin, "
           "Tensor(b!) kv_cache, Tensor slots, Tensor rows, Tensor block_tables, Tensor context_lens, "
