@@ -54,6 +54,89 @@
         }                                                                                              \
     }
 
+typedef void (*block8_fn)(const float *, int64_t, const Weight *, int64_t, float *, int64_t, int64_t, int64_t);
+
+#ifdef __AVX512F__
+/* The AVX-512 builds: 16 weights a vector (load_fp8x16), twice the multiply-adds an instruction of the AVX2 blocks
+ * above, the weight's lines prefetched PREFETCH16 bytes ahead as the bf16 kernel does; the 8 inputs a block of
+ * bk (a multiple of 8) may leave go as one vector with its top 8 lanes zero. Sums in another order than the AVX2
+ * blocks', the same arithmetic otherwise. On a Zen 5 VM (AVX-512, 2 threads) decode products of 1-12 rows by a
+ * 1536 x 512 FP8 weight took 19-33% less time (scripts/bench_linear.py --fp8-weights, two runs each). */
+#define PREFETCH16 4096
+
+static inline __m512 fp16_bits_to_ps(__m256i b) {  /* b: 16 bytes sign-extended to 16 bits (load_fp8x8's trick) */
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16((short)0xbfff)));
+}
+
+static inline __m512 load_fp8x16(const uint8_t *p) {
+    return fp16_bits_to_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)));
+}
+
+static inline __m512 load_fp8x8_of16(const uint8_t *p) {  /* 8 values, lanes 8-15 zero */
+    return fp16_bits_to_ps(_mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+#define BLOCK16(MB, U)                                                                                  \
+    static void block16_##MB(const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y,       \
+                             int64_t ldy, int64_t K, int64_t O) {                                      \
+        int64_t K8 = K & ~(int64_t)7, bk = w->bk;                                                      \
+        for (int64_t o = 0; o < O; o++) {                                                              \
+            const uint8_t *wr = (const uint8_t *)w->data + (o0 + o) * w->ld;                           \
+            const float *sr = w->scale + (o0 + o) / w->bo * w->lds;                                    \
+            __m512 tot[MB], acc[MB][U];                                                                \
+            for (int m = 0; m < MB; m++) tot[m] = _mm512_setzero_ps();                                 \
+            for (int64_t k0 = 0; k0 < K8; k0 += bk) {                                                  \
+                int64_t end = k0 + bk < K8 ? k0 + bk : K8, k = k0;                                     \
+                for (int m = 0; m < MB; m++)                                                           \
+                    for (int u = 0; u < U; u++) acc[m][u] = _mm512_setzero_ps();                       \
+                for (; k + 16 * U <= end; k += 16 * U) {                                               \
+                    _mm_prefetch((const char *)(wr + k) + PREFETCH16, _MM_HINT_T0);                    \
+                    for (int u = 0; u < U; u++) {                                                      \
+                        __m512 wv = load_fp8x16(wr + k + 16 * u);                                      \
+                        for (int m = 0; m < MB; m++)                                                   \
+                            acc[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k + 16 * u), wv, \
+                                                        acc[m][u]);                                    \
+                    }                                                                                  \
+                }                                                                                      \
+                for (; k + 16 <= end; k += 16) {                                                       \
+                    __m512 wv = load_fp8x16(wr + k);                                                   \
+                    for (int m = 0; m < MB; m++)                                                       \
+                        acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k), wv, acc[m][0]);  \
+                }                                                                                      \
+                if (k < end) { /* 8 left */                                                            \
+                    __m512 wv = load_fp8x8_of16(wr + k);                                               \
+                    for (int m = 0; m < MB; m++)                                                       \
+                        acc[m][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(0xff, x + m * ldx + k), wv,  \
+                                                    acc[m][0]);                                        \
+                }                                                                                      \
+                __m512 sv = _mm512_set1_ps(sr[k0 / bk * w->ldsk] * 256.0f);                            \
+                for (int m = 0; m < MB; m++) {                                                         \
+                    __m512 t = acc[m][0];                                                              \
+                    for (int u = 1; u < U; u++) t = _mm512_add_ps(t, acc[m][u]);                       \
+                    tot[m] = _mm512_fmadd_ps(t, sv, tot[m]);                                           \
+                }                                                                                      \
+            }                                                                                          \
+            for (int m = 0; m < MB; m++) {                                                             \
+                float s = _mm512_reduce_add_ps(tot[m]);                                                \
+                for (int64_t kk = K8; kk < K; kk++)                                                    \
+                    s += x[m * ldx + kk] * (fp8_to_f32(wr[kk]) * sr[kk / bk * w->ldsk]);               \
+                y[m * ldy + o] = s;                                                                    \
+            }                                                                                          \
+        }                                                                                              \
+    }
+
+BLOCK16(1, 4)
+BLOCK16(2, 2)
+BLOCK16(3, 2)
+BLOCK16(4, 2)
+BLOCK16(5, 1)
+BLOCK16(6, 1)
+BLOCK16(7, 1)
+BLOCK16(8, 1)
+
+static const block8_fn BLOCKS8[9] = {0, block16_1, block16_2, block16_3, block16_4, block16_5, block16_6, block16_7,
+                                     block16_8};
+#else
 BLOCK8(1, 4)
 BLOCK8(2, 2)
 BLOCK8(3, 2)
@@ -63,8 +146,8 @@ BLOCK8(6, 1)
 BLOCK8(7, 1)
 BLOCK8(8, 1)
 
-typedef void (*block8_fn)(const float *, int64_t, const Weight *, int64_t, float *, int64_t, int64_t, int64_t);
 static const block8_fn BLOCKS8[9] = {0, block8_1, block8_2, block8_3, block8_4, block8_5, block8_6, block8_7, block8_8};
+#endif
 
 void fp8w_block(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
                 int64_t K, int64_t O) {
