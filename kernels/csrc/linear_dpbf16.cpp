@@ -41,18 +41,18 @@ static int64_t dp_rows; /* 0: off */
 #define TAIL_ROWS 8 /* a last block of this many x rows or fewer goes along K (tail_rows) */
 
 /* weight rows o0 .. o0 + NO against x rows m0 .. m0 + 16 * NM (zeros past M in xp), into columns oc .. oc + NO
- * of c [16 * NM][32]. With scales (sk not NULL: an FP8 weight widened to bf16 times 2^-8, widen_fp8), each block of
- * bk inputs is summed apart and added times its scale sk[kb * ldsk] (one for the NO rows) times 2^8. */
-template <int NO, int NM>
+ * of c [16 * NM][32]. SCALED (an FP8 weight widened to bf16 times 2^-8, widen_fp8): each block of bk inputs is summed
+ * apart and added times its scale sk[kb * ldsk] (one for the NO rows) times 2^8. */
+template <int NO, int NM, bool SCALED>
 static void rows_block(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t K, int64_t m0,
-                       int64_t o0, float *c, int oc, const float *sk = NULL, int64_t ldsk = 0, int64_t bk = 0) {
+                       int64_t o0, float *c, int oc, const float *sk, int64_t ldsk, int64_t bk) {
     __m512 acc[NO][NM], tot[NO][NM];
     const int32_t *wr[NO];
     for (int o = 0; o < NO; o++) {
         wr[o] = (const int32_t *)(w + (o0 + o) * ldw);
         for (int i = 0; i < NM; i++) tot[o][i] = _mm512_setzero_ps();
     }
-    const int64_t step = sk ? bk / 2 : K / 2;  /* pairs a block of inputs */
+    const int64_t step = SCALED ? bk / 2 : K / 2;  /* pairs a block of inputs */
     for (int64_t kp0 = 0; kp0 < K / 2; kp0 += step) {
         const int64_t kp1 = kp0 + step < K / 2 ? kp0 + step : K / 2;
         for (int o = 0; o < NO; o++)
@@ -69,14 +69,14 @@ static void rows_block(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64
                 for (int i = 0; i < NM; i++) acc[o][i] = _mm512_dpbf16_ps(acc[o][i], xv[i], wv);
             }
         }
-        if (!sk) {
+        if (!SCALED) { /* one pass over K */
             for (int o = 0; o < NO; o++)
                 for (int i = 0; i < NM; i++) tot[o][i] = acc[o][i];
-        } else {
-            __m512 sv = _mm512_set1_ps(sk[kp0 * 2 / bk * ldsk] * 256.0f);
-            for (int o = 0; o < NO; o++)
-                for (int i = 0; i < NM; i++) tot[o][i] = _mm512_fmadd_ps(acc[o][i], sv, tot[o][i]);
+            break;
         }
+        __m512 sv = _mm512_set1_ps(sk[kp0 * 2 / bk * ldsk] * 256.0f);
+        for (int o = 0; o < NO; o++)
+            for (int i = 0; i < NM; i++) tot[o][i] = _mm512_fmadd_ps(acc[o][i], sv, tot[o][i]);
     }
     alignas(64) float lanes[16];
     for (int i = 0; i < NM; i++)
@@ -84,6 +84,19 @@ static void rows_block(const uint16_t *w, int64_t ldw, const uint32_t *xp, int64
             _mm512_store_ps(lanes, tot[o][i]);
             for (int j = 0; j < 16; j++) c[(16 * i + j) * 32 + oc + o] = lanes[j];
         }
+}
+
+/* rows_block for `left` blocks of 16 x rows from m0: 16 weight rows a step against the last 16 (so 16 sums are in
+ * flight), else 8 against 32 or 48 */
+template <bool SCALED>
+static inline void rows_blocks(int64_t left, const uint16_t *w, int64_t ldw, const uint32_t *xp, int64_t K, int64_t m0,
+                               int64_t o0, float *c, int oc, const float *sk, int64_t ldsk, int64_t bk) {
+    if (left == 1)
+        rows_block<16, 1, SCALED>(w, ldw, xp, K, m0, o0, c, oc, sk, ldsk, bk);
+    else if (left >= 3)
+        rows_block<8, 3, SCALED>(w, ldw, xp, K, m0, o0, c, oc, sk, ldsk, bk);
+    else
+        rows_block<8, 2, SCALED>(w, ldw, xp, K, m0, o0, c, oc, sk, ldsk, bk);
 }
 
 /* Rows o0 .. o0 + n of an FP8 weight widened into wb [n][K] (bf16 bits): each value exactly, times 2^-8 (as
@@ -151,14 +164,14 @@ int64_t set_tile_rows(int64_t rows) {
     return dp_rows;
 }
 
-int64_t expert_tile_rows(void) { return dp_rows; }
+int64_t expert_tile_rows(void) { return dp_rows; }  /* not measured lower on this build */
 
 static int64_t fp8_on; /* FP8 weights too (set_fp8_tiles) */
 
 int64_t set_fp8_tiles(int64_t on) {
     if (on >= 0) fp8_on = on != 0;
     return fp8_on;
-}  /* not measured lower on this build */
+}
 
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows) {
@@ -197,12 +210,10 @@ int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int
             int64_t left = (Mp - m0) / 16;
             for (int oc = 0; oc < width; oc += left == 1 ? 16 : 8) {
                 const float *sk = fp8 ? w->scale + (ob + oc) / w->bo * w->lds : NULL; /* FP8: the rows' scales */
-                if (left == 1) /* 16 x rows: 16 weight rows a step, so 16 sums are in flight */
-                    rows_block<16, 1>(wb, ldb, xp, K, m0, wo + oc, c, oc, sk, w->ldsk, w->bk);
-                else if (left >= 3)
-                    rows_block<8, 3>(wb, ldb, xp, K, m0, wo + oc, c, oc, sk, w->ldsk, w->bk);
+                if (fp8)
+                    rows_blocks<true>(left, wb, ldb, xp, K, m0, wo + oc, c, oc, sk, w->ldsk, w->bk);
                 else
-                    rows_block<8, 2>(wb, ldb, xp, K, m0, wo + oc, c, oc, sk, w->ldsk, w->bk);
+                    rows_blocks<false>(left, wb, ldb, xp, K, m0, wo + oc, c, oc, sk, w->ldsk, w->bk);
             }
             int64_t end = m0 + 48 < Mp ? m0 + 48 : Mp;
             if (end == Mp && R) { /* the tail, after the last block of 16 (its weight rows are in cache) */
