@@ -748,7 +748,9 @@ def main() -> int:
     if "moe-base" in args.engines:
         if not args.moe_base_venv:
             raise SystemExit("--engines moe-base needs --moe-base-venv (another checkout's .venv)")
-        base_ckpt = Path(args.moe_base_model) if args.moe_base_model else ckpt
+        base_ckpt = Path(args.moe_base_model).resolve() if args.moe_base_model else ckpt.resolve()
+        if not (base_ckpt / "config.json").exists():  # (resolved: moe-base's server runs from its own checkout)
+            raise SystemExit(f"--moe-base-model {args.moe_base_model}: no config.json in {base_ckpt}")
         specs.append(moe_spec(base_ckpt, args, "moe-base", Path(args.moe_base_venv).resolve()))
     if specs:
         docs = compare(specs, args, requests, out)

@@ -1,7 +1,9 @@
-"""scripts/bench_peer.py's placing of rates at fractions of the measured saturation rate (--saturation-fractions)."""
+"""scripts/bench_peer.py: the placing of rates at fractions of the measured saturation rate (--saturation-fractions), and
+--moe-base-model's path."""
 
 import argparse
 import math
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +52,22 @@ def test_probe_that_completes_nothing_says_so(script, monkeypatch, tmp_path):
     args = argparse.Namespace(saturation_fractions=[0.5], saturation_probes=1, request_rates=[math.inf])
     with pytest.raises(RuntimeError, match="measured 0.000 req/s"):
         peer.probe_saturation([peer.EngineSpec("moe", [], {}, "/ready", 2)], args, [], tmp_path, {"moe": {}}, Gate())
+
+
+def test_base_model_path_is_resolved_and_checked(script, checkpoint, monkeypatch, tmp_path):
+    """--moe-base-model: moe-base's server runs from its own checkout, so the path is made absolute first, and
+    one without config.json stops the run with a line naming it, before any server starts."""
+    peer = script("bench_peer")
+    monkeypatch.setattr(peer, "compare", lambda *a: pytest.fail("no server should start"))
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench_peer.py", "--model", checkpoint("v3"), "--engines", "moe-base", "--moe-base-venv", str(tmp_path),
+            "--client", "moe", "--out", str(tmp_path / "out"), "--num-prompts", "2", "--moe-base-model", "missing"]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit, match=f"--moe-base-model missing: no config.json in {tmp_path / 'missing'}"):
+        peer.main()
+    seen = []
+    monkeypatch.setattr(peer, "compare", lambda specs, *a: seen.extend(specs) or {})
+    monkeypatch.setattr("sys.argv", argv[:-1] + ["."])  # a relative path to a checkpoint
+    monkeypatch.chdir(checkpoint("v3"))
+    peer.main()
+    assert seen and seen[0].name == "moe-base" and str(Path(checkpoint("v3")).resolve()) in " ".join(seen[0].cmd)
