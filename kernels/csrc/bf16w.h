@@ -62,18 +62,21 @@ static inline void parallel_rows(int64_t T, int threads, F &&f) {
 #define PARALLEL_MIN_WEIGHTS (1 << 16)  /* smaller weights take one thread: a fork costs about a microsecond */
 #define PARALLEL_MIN_VALUES (1 << 15)   /* row-wise ops (norms, rotary, adds) over fewer values take one thread */
 
-/* Per-thread scratch memory of at least `bytes`, kept between calls (one buffer per file and thread). */
-static __thread void *scratch_ptr;
-static __thread size_t scratch_size;
+/* Per-thread scratch memory of at least `bytes`, kept between calls (one buffer per file, thread and `which` < 2:
+ * thread_scratch_at(1, ...) for a second buffer that a caller needs while it holds the first). */
+static __thread void *scratch_ptr[2];
+static __thread size_t scratch_size[2];
 
-static inline void *thread_scratch(size_t bytes) {  /* NULL when out of memory */
-    if (bytes > scratch_size) {
-        free(scratch_ptr);
-        scratch_ptr = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        scratch_size = scratch_ptr ? bytes : 0;
+static inline void *thread_scratch_at(int which, size_t bytes) {  /* NULL when out of memory */
+    if (bytes > scratch_size[which]) {
+        free(scratch_ptr[which]);
+        scratch_ptr[which] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_size[which] = scratch_ptr[which] ? bytes : 0;
     }
-    return scratch_ptr;
+    return scratch_ptr[which];
 }
+
+static inline void *thread_scratch(size_t bytes) { return thread_scratch_at(0, bytes); }
 
 static inline __m256 load_bf16x8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -86,6 +89,20 @@ static inline __m256 load_bf16x8(const uint16_t *p) {
 static inline __m512 load_bf16x16(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 FP8 e4m3fn values widened to float32, times 2^-8 (load_fp8x8's conversion, below, 16 lanes wide);
+ * load_fp8x8_of16: 8 values in lanes 0-7, zeros in 8-15 */
+static inline __m512 fp8_bits_to_ps16(__m256i b) {  /* b: 16 bytes sign-extended to 16 bits */
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16((short)0xbfff)));
+}
+
+static inline __m512 load_fp8x16(const uint8_t *p) {
+    return fp8_bits_to_ps16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)));
+}
+
+static inline __m512 load_fp8x8_of16(const uint8_t *p) {
+    return fp8_bits_to_ps16(_mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)));
 }
 
 /* lane i = the sum of v[i]'s 16 lanes: pairs of vectors folded by 256, 128, 64 and 32 bits, then the 4 x 4

@@ -100,30 +100,13 @@ static inline void rows_blocks(int64_t left, const uint16_t *w, int64_t ldw, con
 }
 
 /* Rows o0 .. o0 + n of an FP8 weight widened into wb [n][K] (bf16 bits): each value exactly, times 2^-8 (as
- * load_fp8x8 gives it: an e4m3 value has 4 significant bits, bf16 holds 8); K a multiple of 16 */
+ * load_fp8x16 gives it: an e4m3 value has 4 significant bits, bf16 holds 8); K a multiple of 16 */
 static void widen_fp8(const Weight *w, int64_t o0, int64_t n, int64_t K, uint16_t *wb) {
     for (int64_t o = 0; o < n; o++) {
         const uint8_t *src = (const uint8_t *)w->data + (o0 + o) * w->ld;
-        for (int64_t k = 0; k < K; k += 16) {
-            __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + k)));  /* sign into bits 15..8 */
-            h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbfff));
-            _mm256_storeu_si256((__m256i *)(wb + o * K + k), (__m256i)_mm512_cvtneps_pbh(_mm512_cvtph_ps(h)));
-        }
+        for (int64_t k = 0; k < K; k += 16)
+            _mm256_storeu_si256((__m256i *)(wb + o * K + k), (__m256i)_mm512_cvtneps_pbh(load_fp8x16(src + k)));
     }
-}
-
-/* The caller's room for `values` widened FP8 weights (32 rows a thread), apart from thread_scratch's packed x */
-static __thread uint16_t *widened;
-static __thread size_t widened_size;
-
-static uint16_t *widened_room(size_t values) {
-    size_t bytes = values * 2;
-    if (bytes > widened_size) {
-        free(widened);
-        widened = (uint16_t *)aligned_alloc(64, (bytes + 63) / 64 * 64);
-        widened_size = widened ? bytes : 0;
-    }
-    return widened;
 }
 
 /* The last R (< 16) x rows of a product, where a block of 16 lanes would be mostly zeros: lanes along K instead.
@@ -184,7 +167,7 @@ int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int
     int64_t ldw = w->ld, blocks = (O + 31) / 32;
     int threads = blocks > 1 && O * K >= PARALLEL_MIN_WEIGHTS ? threads_for_region() : 1;
     uint16_t *wide = NULL; /* FP8: each thread's 32 weight rows of the block it runs, widened to bf16 */
-    if (fp8 && !(wide = widened_room((size_t)threads * 32 * (size_t)K))) return 0;
+    if (fp8 && !(wide = (uint16_t *)thread_scratch_at(1, (size_t)threads * 32 * (size_t)K * 2))) return 0;
     /* A last block of at most TAIL_ROWS rows goes along K (tail_rows), not as a block of 16 mostly zero lanes */
     int64_t R = M % 16;
     if (R > TAIL_ROWS || M < 16 || fp8) R = 0;

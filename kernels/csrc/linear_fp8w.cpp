@@ -57,24 +57,12 @@
 typedef void (*block8_fn)(const float *, int64_t, const Weight *, int64_t, float *, int64_t, int64_t, int64_t);
 
 #ifdef __AVX512F__
-/* The AVX-512 builds: 16 weights a vector (load_fp8x16), twice the multiply-adds an instruction of the AVX2 blocks
+/* The AVX-512 builds: 16 weights a vector (load_fp8x16, bf16w.h), twice the multiply-adds an instruction of the AVX2 blocks
  * above, the weight's lines prefetched PREFETCH16 bytes ahead as the bf16 kernel does; the 8 inputs a block of
  * bk (a multiple of 8) may leave go as one vector with its top 8 lanes zero. Sums in another order than the AVX2
  * blocks', the same arithmetic otherwise. On a Zen 5 VM (AVX-512, 2 threads) decode products of 1-12 rows by a
  * 1536 x 512 FP8 weight took 19-33% less time (scripts/bench_linear.py --fp8-weights, two runs each). */
 #define PREFETCH16 4096
-
-static inline __m512 fp16_bits_to_ps(__m256i b) {  /* b: 16 bytes sign-extended to 16 bits (load_fp8x8's trick) */
-    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16((short)0xbfff)));
-}
-
-static inline __m512 load_fp8x16(const uint8_t *p) {
-    return fp16_bits_to_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)));
-}
-
-static inline __m512 load_fp8x8_of16(const uint8_t *p) {  /* 8 values, lanes 8-15 zero */
-    return fp16_bits_to_ps(_mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)));
-}
 
 #define BLOCK16(MB, U)                                                                                  \
     static void block16_##MB(const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y,       \
