@@ -7,7 +7,9 @@
 Microseconds per call for one [out, in] weight at several row counts, cycling over --weights distinct
 weights so they do not stay in cache (as in a decode step, which reads each weight once). Default: the
 bf16-weight kernel of kernels/cpu_bf16w.py (float32 x) against F.linear on the same weights held in float32. --fp8-weights: the FP8-weight kernel (the same
-weights as float8_e4m3fn with (128, 128) block scales) against the bf16-weight kernel, both float32 x.
+weights as float8_e4m3fn with (128, 128) block scales) against the bf16-weight kernel, both float32 x, as for a
+model served in bf16 (cpu_build.fp8_tiles on: products of 16+ rows on the bf16 dot products where the build has
+them); --fp8-float32 as for one served in float32 (every FP8 product float32).
 --gemm: GFLOP/s of prompt-sized products (rows x in x out, median of 20, one weight): the kernel as it runs
 (bf16 products on AMX or AVX512-BF16 where the build has them), the same with every product in float32
 (cpu_build.tile_rows(0)), MKL on a float32 copy of the weight, and oneDNN's bf16 matmul (torch.mm on bf16 x).
@@ -45,6 +47,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--weights", type=int, default=64)
     ap.add_argument("--fp8-weights", action="store_true", help="FP8 against bf16 weights, float32 x")
+    ap.add_argument("--fp8-float32", action="store_true",
+                    help="with --fp8-weights: every FP8 product in float32, as for a model served in float32")
     ap.add_argument("--gemm", action="store_true", help="GFLOP/s of prompt-sized products (see above)")
     args = ap.parse_args()
     if args.gemm:
@@ -60,6 +64,8 @@ def main() -> None:
         ref_ws, x_dtype, what = ws, torch.float32, "fp8-weight kernel"
         ref_fn, ref_what = cpu_bf16w.linear, "bf16-weight kernel"
         new_fn = lambda x, w: cpu_bf16w.linear(x, fp8[id(w)], scale_inv=scale, block=block)  # noqa: E731
+        on = cpu_build.fp8_tiles(not args.fp8_float32)
+        print(f"FP8 products of {cpu_build.tile_rows()}+ rows on the bf16 dot products: {'yes' if on else 'no'}")
     else:
         ref_ws, x_dtype, what = [w.float() for w in ws], torch.float32, "bf16-weight kernel"
         new_fn = cpu_bf16w.linear
