@@ -104,11 +104,6 @@ int64_t set_tile_rows(int64_t rows) {
 
 int64_t expert_tile_rows(void) { return tile_rows > EXPERT_TILE_ROWS ? EXPERT_TILE_ROWS : tile_rows; }
 
-int64_t set_fp8_tiles(int64_t on) {  /* FP8 weights stay on the float32 kernel in this build */
-    (void)on;
-    return 0;
-}
-
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows) {
     int64_t Mp;
@@ -170,15 +165,17 @@ int64_t set_tile_rows(int64_t rows) {
 
 int64_t expert_tile_rows(void) { return 0; }
 
-int64_t set_fp8_tiles(int64_t on) {
-    (void)on;
-    return 0;
-}
-
 int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int64_t ldy, int64_t M, int64_t K,
                      int64_t O, int64_t min_rows) {
     (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)M, (void)K, (void)O, (void)min_rows;
     return 0;
 }
 
+#endif
+
+#if HAVE_AMX_BF16 || !defined(__AVX512BF16__) /* the AVX512-BF16 build has it in linear_dpbf16.cpp */
+int64_t set_fp8_tiles(int64_t on) { /* FP8 weights stay on the float32 kernel: never on */
+    (void)on;
+    return 0;
+}
 #endif
