@@ -83,10 +83,11 @@ def test_fp8_copy_served_in_bf16_keeps_heldout_perplexity(tmp_path):
     from moe_serve.kernels import cpu_build
     from moe_serve.moe.tiny import write_checkpoint
 
+    tok = AutoTokenizer.from_pretrained(TRAINED)
     fp8 = write_checkpoint(tmp_path / "fp8", AutoConfig.from_pretrained(TRAINED), load_file(TRAINED / "model.safetensors"),
-                           AutoTokenizer.from_pretrained(TRAINED), "bfloat16", fp8=True)
+                           tok, "bfloat16", fp8=True)
     assert "quantization_config" in json.loads((fp8 / "config.json").read_text())
-    docs = token_docs(AutoTokenizer.from_pretrained(TRAINED), documents(TRAINED)[:16], 256)
+    docs = token_docs(tok, documents(TRAINED)[:16], 256)
     exact_nll, n = nll_engine(LLM(str(fp8), dtype="float32"), docs)
     assert not cpu_build.fp8_tiles()  # served in float32: FP8 products stay float32
     bf16_nll, n2 = nll_engine(LLM(str(fp8), dtype="bfloat16"), docs)
