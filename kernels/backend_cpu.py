@@ -77,7 +77,7 @@ class CpuBackend(TorchBackend):
         for p in model.parameters():
             if p.dim() == 1 and p.is_floating_point() and p.dtype != torch.float32:
                 p.data = p.data.float()
-        # FP8 products of many rows on bf16 dot products (AVX512-BF16) for a model served in bf16, x rounded as
+        # FP8 products on bf16 dot products (AVX512-BF16) for a model served in bf16, x rounded as
         # for its bf16 weights; served in float32 they stay float32 (the exact dequantised reference)
         cpu_build.fp8_tiles(getattr(model, "serving_dtype", torch.float32) == torch.bfloat16)
         self.linear_row_limit = cpu_bf16w.kernel_row_limit(_linear_shapes(model))

@@ -15,9 +15,9 @@ FP8 weights (float8_e4m3fn [O, K] with DeepSeek-V3's float32 block scales `scale
 ceil(K / bk)], `block` = (bo, bk), both multiples of 8) go through csrc/linear_fp8w.cpp the same way, a
 quarter of float32's bytes; the reference is F.linear on the dequantised weight (kernels.reference.
 dequant_fp8_block), which the kernel equals up to the order of float32 sums. On the AVX512-BF16 build, for
-a model served in bf16 (cpu_build.fp8_tiles()), products of cpu_build.tile_rows()+ rows by FP8 weights in blocks
-of a multiple of 16 rows take the bf16 dot products too (the weight widened exactly, x rounded to bf16:
-`tiles_take`, `reference`).
+a model served in bf16 (cpu_build.fp8_tiles()), FP8 products take the bf16 dot products too, x rounded to bf16 and
+the weight widened exactly: those of cpu_build.tile_rows()+ rows in blocks of a multiple of 16 rows, and those of
+any number of rows (decode) where K and the blocks' columns are multiples of 32 (`tiles_take`, `reference`).
 
 kernels/cpu_build.py builds the kernels as torch ops (torch.ops.moe_serve.mm_wt / bmm_wt). Without a
 compiler, or on a CPU without AVX2, FMA and F16C, every call takes the reference path: the same results,
@@ -54,14 +54,17 @@ def _dense(w: torch.Tensor, scale_inv: torch.Tensor | None, block: Block | None)
 
 def tiles_take(rows: int, K: int, O: int, scale_inv: torch.Tensor | None = None, block: Block | None = None) -> bool:
     """Whether the kernel runs a product of `rows` rows by this weight in bf16, rounding x (the AMX tiles,
-    csrc/linear_amx.cpp, or AVX512-BF16 dot products, csrc/linear_dpbf16.cpp: K a multiple of 32, O of 16, at
-    least cpu_build.tile_rows() rows; a bf16 weight, or where cpu_build.fp8_tiles() (AVX512-BF16, a model served in
-    bf16) an FP8 one in blocks of a multiple of 16 rows, each block of 32 weight rows widened to bf16 exactly and
-    each block of inputs' sum scaled)."""
+    csrc/linear_amx.cpp, or AVX512-BF16 dot products, csrc/linear_dpbf16.cpp). A bf16 weight: K a multiple of 32,
+    O of 16, at least cpu_build.tile_rows() rows. An FP8 one only where cpu_build.fp8_tiles() (AVX512-BF16, a model
+    served in bf16): so, in blocks of a multiple of 16 rows (each block of 32 weight rows widened to bf16 exactly);
+    and for any number of rows where K and the blocks' columns are multiples of 32 (fp8_decode_dp: 32 weights at a
+    time widened in registers, along K). Each block of inputs' sum is scaled."""
     tiles = cpu_build.tile_rows()
-    if scale_inv is not None and not (block is not None and block[0] % 16 == 0 and cpu_build.fp8_tiles()):
+    if scale_inv is None:
+        return 0 < tiles <= rows and K % 32 == 0 and O % 16 == 0
+    if block is None or not tiles or not cpu_build.fp8_tiles() or K % 32:
         return False
-    return 0 < tiles <= rows and K % 32 == 0 and O % 16 == 0
+    return block[1] % 32 == 0 or (tiles <= rows and block[0] % 16 == 0 and O % 16 == 0)
 
 
 def reference(x_MK: torch.Tensor, w_OK: torch.Tensor, bias_O: torch.Tensor | None = None,

@@ -164,8 +164,9 @@ def tile_rows(rows: int | None = None) -> int:
 
 
 def fp8_tiles(on: bool | None = None) -> bool:
-    """Whether products of tile_rows()+ rows by FP8 weights take the bf16 dot products too (x rounded to bf16, the
-    weight widened exactly: csrc/linear_dpbf16.cpp), after setting it to `on` where given. Only the AVX512-BF16
+    """Whether products by FP8 weights take the bf16 dot products too (x rounded to bf16, the weight widened exactly:
+    csrc/linear_dpbf16.cpp; those of fewer than tile_rows() rows where K and the blocks' columns are multiples of
+    32, kernels/cpu_bf16w.py tiles_take), after setting it to `on` where given. Only the AVX512-BF16
     build can; off until set: the CPU backend turns it on for a model served in bf16 and off for one served in
     float32 (kernels/backend_cpu.py), whose FP8 products then stay float32. One setting per process."""
     if not available() or isa() != "avx512bf16":

@@ -286,8 +286,8 @@ def test_fp8_products_of_many_rows_on_bf16_dot_products(M, O, K, block, float32_
     """On the AVX512-BF16 build, for a model served in bf16, a product of 16+ rows by an FP8 weight in blocks of a
     multiple of 16 rows (K a multiple of 32, O of 16) widens the weight to bf16 exactly and rounds x to bf16: it
     equals F.linear on x rounded and the dequantised weight, to the order of float32 sums, and not the float32
-    product, which runs with the products off, for a model served in float32, below 16 rows and for blocks of 8
-    rows."""
+    product, which runs with the products off, for a model served in float32, and for blocks of 8 rows and 8
+    columns. Below 16 rows x is rounded where the blocks' columns are a multiple of 32 (test_fp8_decode_rows_*)."""
     g = torch.Generator().manual_seed(M + O + K)
     w, s = _fp8(O, K, block=block, g=g)
     x = torch.randn(M, K, generator=g)
@@ -300,7 +300,10 @@ def test_fp8_products_of_many_rows_on_bf16_dot_products(M, O, K, block, float32_
     torch.testing.assert_close(on, rounded, rtol=1e-5, atol=1e-4)
     assert (on - exact).abs().max() > 1e-3  # x really rounded
     torch.testing.assert_close(cpu_bf16w.reference(x, w, scale_inv=s, block=block), rounded)
-    torch.testing.assert_close(cpu_bf16w.linear(x[:15], w, scale_inv=s, block=block), exact[:15], rtol=1e-5, atol=1e-4)
+    along_k = block[1] % 32 == 0
+    assert cpu_bf16w.tiles_take(15, K, O, s, block) == along_k
+    torch.testing.assert_close(cpu_bf16w.linear(x[:15], w, scale_inv=s, block=block),
+                               (rounded if along_k else exact)[:15], rtol=1e-5, atol=1e-4)
     cpu_build.fp8_tiles(False)  # a model served in float32: FP8 products stay float32
     assert not cpu_bf16w.tiles_take(M, K, O, s, block)
     torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=block), exact, rtol=1e-5, atol=1e-4)
@@ -341,6 +344,91 @@ def test_fp8_dot_products_over_two_threads_in_heads_and_experts(float32_products
             gate, up = F.linear(x[rows].bfloat16().float(), _dense(w13[e], s13[e], block)).chunk(2, dim=-1)
             h = (F.silu(gate) * up).bfloat16().float()
             want[rows] = F.linear(h, _dense(w2[e], s2[e], block)) * weights[rows]
+        got = cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, block=block)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+@fp8_dot_products
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 15])
+@pytest.mark.parametrize("O,K,block", [(1536, 512, (128, 128)), (40, 96, (8, 32)), (17, 128, (16, 64)),
+                                       (64, 64, (16, 16))])
+def test_fp8_decode_rows_on_bf16_dot_products(M, O, K, block, float32_products, fp8_tiles_on):
+    """Below 16 rows (decode), for a model served in bf16, an FP8 product whose K and blocks' columns are multiples
+    of 32 takes the dot products along K (fp8_decode_dp: 32 weights widened to bf16 in registers, exactly): it equals
+    F.linear on x rounded to bf16 and the dequantised weight, for any O (16 outputs at a time and the rest) and block
+    rows; blocks of 16 columns stay float32, and so does everything with the products off or served in float32."""
+    g = torch.Generator().manual_seed(M * 7 + O + K)
+    w, s = _fp8(O, K, block=block, g=g)
+    x = torch.randn(M, K, generator=g) * 4
+    dense = _dense(w, s, block)
+    exact, rounded = F.linear(x, dense), F.linear(x.bfloat16().float(), dense)
+    torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=block), exact, rtol=1e-5, atol=1e-4)  # off
+    assert cpu_build.tile_rows(cpu_build.TILE_ROWS) == cpu_build.TILE_ROWS
+    along_k = block[1] % 32 == 0
+    assert cpu_bf16w.tiles_take(M, K, O, s, block) == along_k
+    got = cpu_bf16w.linear(x, w, scale_inv=s, block=block)
+    torch.testing.assert_close(got, rounded if along_k else exact, rtol=1e-5, atol=1e-4)
+    if along_k:
+        assert (got - exact).abs().max() > 1e-3  # x really rounded
+    torch.testing.assert_close(cpu_bf16w.reference(x, w, scale_inv=s, block=block), rounded if along_k else exact)
+    cpu_build.fp8_tiles(False)
+    torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=block), exact, rtol=1e-5, atol=1e-4)
+    cpu_build.fp8_tiles(True)
+
+
+@fp8_dot_products
+def test_every_fp8_byte_widens_exactly_on_the_dot_products(float32_products, fp8_tiles_on):
+    """All 256 bytes through fp8_x32_to_bf16 (normal values by moving bits, subnormals from a table, zeros of both
+    signs), one per weight row, against a one-hot x: bit for bit w.float() * scale; the NaN bytes give +-480."""
+    cpu_build.tile_rows(cpu_build.TILE_ROWS)
+    bytes_ = torch.arange(256, dtype=torch.uint8)
+    w = torch.zeros(256, 64, dtype=torch.uint8)
+    w[:, 37] = bytes_  # the second vector of 32, lane 5
+    scale = torch.tensor([[0.75, 1.0]]).repeat(256 // 128, 1)
+    scale[1, 0] = 2.0**-9
+    x = torch.zeros(1, 64)
+    x[0, 37] = 1.0
+    got = cpu_bf16w.linear(x, w.view(FP8), scale_inv=scale, block=(128, 32))
+    assert cpu_bf16w.tiles_take(1, 64, 256, scale, (128, 32))
+    nan = (bytes_ & 0x7f) == 0x7f
+    want = bytes_.masked_fill(nan, 0).view(FP8).float() * scale[:, 1].repeat_interleave(128)
+    want[nan] = torch.tensor([480.0, -480.0]) * scale[:, 1].repeat_interleave(128)[nan]
+    assert torch.equal(got[0], want)
+
+
+@fp8_dot_products
+def test_fp8_decode_rows_over_two_threads_in_heads_and_experts(float32_products, fp8_tiles_on):
+    """Decode-sized FP8 products on the dot products along K split over two threads, in per-head products (a few
+    rows a head, strided) and in experts of a few rows each (x rounded for w13, the SiLU product for w2)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    cpu_build.tile_rows(cpu_build.TILE_ROWS)
+    try:
+        g = torch.Generator().manual_seed(5)
+        w, s = _fp8(2048, 512, block=(128, 128), g=g)
+        x = torch.randn(4, 512, generator=g)
+        torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=(128, 128)),
+                                   F.linear(x.bfloat16().float(), _dense(w, s, (128, 128))), rtol=1e-5, atol=1e-4)
+        wh, sh = _fp8(64, 128, block=(32, 32), g=g, lead=(4,))
+        xh = torch.randn(3, 4, 128, generator=g).transpose(0, 1)
+        dense_h = torch.stack([_dense(wh[b], sh[b], (32, 32)) for b in range(4)])
+        torch.testing.assert_close(cpu_bf16w.bmm(xh, wh, sh, (32, 32)),
+                                   torch.bmm(xh.bfloat16().float(), dense_h.transpose(1, 2)), rtol=1e-5, atol=1e-4)
+        T, H, I, block = 6, 64, 64, (32, 32)
+        w13, s13 = _fp8(2 * I, H, block=block, g=g, lead=(3,))
+        w2, s2 = _fp8(H, I, block=block, g=g, lead=(3,))
+        x = torch.randn(T, H, generator=g)
+        ids = torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0], [1, 0], [2, 1]])
+        weights = torch.rand(T, 2, generator=g)
+        want = torch.zeros(T, H)
+        for t in range(T):
+            for k in range(2):
+                e = int(ids[t, k])
+                gate, up = F.linear(x[t:t + 1].bfloat16().float(), _dense(w13[e], s13[e], block)).chunk(2, dim=-1)
+                h = (F.silu(gate) * up).bfloat16().float()
+                want[t] += (F.linear(h, _dense(w2[e], s2[e], block)) * weights[t, k])[0]
         got = cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, block=block)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     finally:

@@ -72,8 +72,8 @@ def test_bf16_serving_keeps_heldout_perplexity():
 
 def test_fp8_copy_served_in_bf16_keeps_heldout_perplexity(tmp_path):
     """The shipped model in DeepSeek-V3's block FP8 (moe/tiny.py's writer), served in bf16 on the default backend:
-    on the AVX512-BF16 build its products of 16+ rows take the bf16 dot products (the FP8 weights widened exactly, x
-    rounded to bf16; cpu_build.fp8_tiles). Held-out perplexity stays within 0.5% of the same FP8 checkpoint served
+    on the AVX512-BF16 build its products take the bf16 dot products (the FP8 weights widened exactly, x rounded to
+    bf16; cpu_build.fp8_tiles; chunks of up to 24 tokens along K, as decode rows). Held-out perplexity stays within 0.5% of the same FP8 checkpoint served
     in float32, whose products are float32 on the dequantised weights; FP8 itself stays within 5% of the shipped
     bf16 model in transformers' float32 (measured 2026-12-07 on Zen 5: 51.19 in bf16, 51.19 in float32, 50.89 the
     shipped model)."""

@@ -265,6 +265,10 @@ int64_t set_fp8_tiles(int64_t on);
 /* Rows o0 .. o0 + O of an FP8 weight against MB <= 8 rows of x, into y[:, 0..O) (linear_fp8w.cpp). */
 void fp8w_block(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
                 int64_t K, int64_t O);
+/* fp8w_block on the bf16 dot products where set_fp8_tiles is on (x rounded to bf16; K and bk multiples of 32);
+ * returns 0, computing nothing, where it does not apply (linear_dpbf16.cpp; elsewhere never) */
+int fp8_decode_dp(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
+                  int64_t K, int64_t O);
 
 /* The other kernels, each documented where it is defined (cpu_ops.cpp, linear_bf16w.cpp, mla_decode_bf16.cpp,
  * moe_bf16w.cpp, prompt_attention.cpp, decode_layer.cpp); declared here so that decode_layer.cpp and

@@ -10,7 +10,8 @@
  * bottleneck). Results equal the reference up to float32 rounding: the reference rounds each w * scale
  * before multiplying by x, this kernel rounds the block's sum; with one nonzero term, w * scale exactly.
  * The blocks of rows and their accumulators are as in linear_bf16w.cpp, whose drivers (tiles, threads,
- * batches) call fp8w_block. In the AVX512-BF16 build, products of tile_rows+ rows go to linear_dpbf16.cpp instead.
+ * batches) call fp8w_block. In the AVX512-BF16 build, for a model served in bf16 (set_fp8_tiles), products go to
+ * linear_dpbf16.cpp instead: many rows on its blocks of 16 rows, few along K (fp8_decode_dp, called from here).
  */
 #include "bf16w.h"
 
@@ -109,5 +110,6 @@ static const block8_fn BLOCKS8[9] = {0, block8_1, block8_2, block8_3, block8_4, 
 
 void fp8w_block(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
                 int64_t K, int64_t O) {
+    if (fp8_decode_dp(MB, x, ldx, w, o0, y, ldy, K, O)) return;  /* a model served in bf16, AVX512-BF16 */
     BLOCKS8[MB](x, ldx, w, o0, y, ldy, K, O);
 }
