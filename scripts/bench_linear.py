@@ -9,7 +9,9 @@ weights so they do not stay in cache (as in a decode step, which reads each weig
 bf16-weight kernel of kernels/cpu_bf16w.py (float32 x) against F.linear on the same weights held in float32. --fp8-weights: the FP8-weight kernel (the same
 weights as float8_e4m3fn with (128, 128) block scales) against the bf16-weight kernel, both float32 x, as for a
 model served in bf16 (cpu_build.fp8_tiles on: products of 16+ rows on the bf16 dot products where the build has
-them); --fp8-float32 as for one served in float32 (every FP8 product float32).
+them); --fp8-float32 as for one served in float32 (every FP8 product float32). --fp8-both: the bf16-weight
+kernel, FP8 as served in float32 and FP8 as served in bf16, in alternating rounds (--rounds, medians), each on its
+own copies of the weights (a set read just before by another column would be partly in cache).
 --gemm: GFLOP/s of prompt-sized products (rows x in x out, median of 20, one weight): the kernel as it runs
 (bf16 products on AMX or AVX512-BF16 where the build has them), the same with every product in float32
 (cpu_build.tile_rows(0)), MKL on a float32 copy of the weight, and oneDNN's bf16 matmul (torch.mm on bf16 x).
@@ -49,10 +51,15 @@ def main() -> None:
     ap.add_argument("--fp8-weights", action="store_true", help="FP8 against bf16 weights, float32 x")
     ap.add_argument("--fp8-float32", action="store_true",
                     help="with --fp8-weights: every FP8 product in float32, as for a model served in float32")
+    ap.add_argument("--fp8-both", action="store_true",
+                    help="bf16 weights, FP8 served in float32 and FP8 served in bf16, alternating (see above)")
+    ap.add_argument("--rounds", type=int, default=7, help="with --fp8-both: alternating rounds")
     ap.add_argument("--gemm", action="store_true", help="GFLOP/s of prompt-sized products (see above)")
     args = ap.parse_args()
     if args.gemm:
         return gemm()
+    if args.fp8_both:
+        return fp8_both(args.shape, args.rows, args.weights, args.rounds)
     ws = [torch.randn(*args.shape, dtype=torch.bfloat16) for _ in range(args.weights)]
     ref_fn, ref_what = F.linear, "F.linear float32"
     if not cpu_bf16w.available():
@@ -76,6 +83,36 @@ def main() -> None:
         ref = per_call_us(lambda: [ref_fn(x, w) for w in ref_ws], len(ws))
         new = per_call_us(lambda: [new_fn(x, w) for w in ws], len(ws))
         print(f"{m:>6} {ref:>22.1f} {new:>22.1f} {ref / new:>5.2f}x")
+
+
+def fp8_both(shape: list[int], rows: list[int], count: int, rounds: int) -> None:
+    if not cpu_bf16w.available():
+        raise SystemExit("the CPU kernels cannot run here (needs x86-64 with AVX2, FMA and F16C, c++ and ninja)")
+    (O, K), block = shape, (128, 128)
+    scale = torch.full((-(-O // 128), -(-K // 128)), 1 / 64)
+    bf16 = [torch.randn(O, K, dtype=torch.bfloat16) for _ in range(count)]
+    fp8 = {mode: [(torch.randn(O, K) * 64).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(count)]
+           for mode in ("float32", "bf16")}
+    before = cpu_build.fp8_tiles()
+    print(f"weight {O}x{K}, {count} weights a column, {torch.get_num_threads()} thread(s), medians of {rounds} rounds; "
+          f"FP8 served in bf16 on the bf16 dot products: {'yes' if cpu_build.fp8_tiles(True) else 'no (not this build)'}")
+    print(f"{'rows':>6} {'bf16 weight us':>15} {'FP8 in float32 us':>18} {'FP8 in bf16 us':>15} {'gain':>6}")
+    try:
+        for m in rows:
+            x = torch.randn(m, K)
+            times: dict[str, list[float]] = {"bf16w": [], "float32": [], "bf16": []}
+            for _ in range(rounds):
+                times["bf16w"].append(per_call_us(lambda: [cpu_bf16w.linear(x, w) for w in bf16], count, repeats=1))
+                for mode in ("float32", "bf16"):
+                    cpu_build.fp8_tiles(mode == "bf16")
+                    times[mode].append(per_call_us(
+                        lambda: [cpu_bf16w.linear(x, w, scale_inv=scale, block=block) for w in fp8[mode]], count,
+                        repeats=1))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            print(f"{m:>6} {med['bf16w']:>15.1f} {med['float32']:>18.1f} {med['bf16']:>15.1f} "
+                  f"{med['float32'] / med['bf16']:>5.2f}x")
+    finally:
+        cpu_build.fp8_tiles(before)
 
 
 def gemm() -> None:

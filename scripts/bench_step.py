@@ -9,6 +9,7 @@
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running --prefill 64 256 1024  # against matmul peak
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 1 4 8 16 --steps 400 --jitter
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --running 1 4 16 32 --mixed 4 8 16 32 64
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_step.py --model .cache/bench-fp8 --running 1 4 --fp8-ab
 
 Builds the benchmark checkpoint if missing (.cache/bench), adds N requests of random 64-192 token prompts,
 prefills them all, then times --steps decode steps and prints the median and minimum per N. --kernels
@@ -25,6 +26,8 @@ the CPU time that other processes took meanwhile (from /proc).
 --mixed K: steps that carry one fresh K-token prompt beside the N running decodes (what a paced prompt slice
 costs), K = 0 for none, alternating; then a least-squares fit of every (decodes, prompt tokens, median ms) to
 bench_itl.py's step-cost model, printed as the `--cost` that `bench_itl.py --simulate` takes.
+--fp8-ab (an FP8 model served in bf16): decode steps in alternating rounds with the FP8 products as served (the bf16
+dot products, cpu_build.fp8_tiles, where the build has them) and all in float32, as for a model served in float32.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ def main() -> None:
                          "fit bench_itl.py's step-cost model to them")
     ap.add_argument("--prefill", type=int, nargs="*", default=[],
                     help="prompt lengths: time a step computing one such prompt alone, against the matmul peak")
+    ap.add_argument("--fp8-ab", action="store_true",
+                    help="an FP8 model served in bf16: also decode steps in alternating rounds with its FP8 products "
+                         "as served (on the bf16 dot products where the build has them) and as in float32")
     args = ap.parse_args()
     kernel_s = time_kernels() if args.kernels else None
     if args.model == ".cache/bench":
@@ -122,6 +128,7 @@ def main() -> None:
                     read.append(step_bytes(engine, ids))
         if args.mixed:
             mixed_points += time_mixed(engine, n, args.mixed, args.seed)
+        fp8_line = fp8_ab_line(engine) if args.fp8_ab else None
         for r in ids:
             engine.abort_request(r)
         median = statistics.median(times)
@@ -129,6 +136,8 @@ def main() -> None:
             f" {statistics.median(read) / 1e6:>8.1f} {statistics.median(read) / bandwidth * 1e3:>9.2f}"
             f" {statistics.median(read) / bandwidth / median:>13.2f}")
         print(f"{n:>8} {prefill * 1e3:>15.0f} {median * 1e3:>15.1f} {min(times) * 1e3:>12.1f}{bound}")
+        if fp8_line:
+            print(fp8_line)
         if args.jitter:
             print(jitter_line(times))
             print(gemm_floor_line(median, args.steps))
@@ -178,6 +187,31 @@ def time_mixed(engine, running: int, sizes: list[int], seed: int, repeats: int =
     print(f"         with a prompt chunk of K tokens, median ms: "
           + ", ".join(f"K={k} {ms:.2f}" for k, ms in medians.items()))
     return [(running, k, ms) for k, ms in medians.items()]
+
+
+def fp8_ab_line(engine, rounds: int = 12, steps: int = 15) -> str:
+    """Decode steps in alternating rounds: the FP8 products as the backend set them (cpu_build.fp8_tiles), then
+    all in float32 (as for a model served in float32); the median of each round's median step, and the spread."""
+    served = cpu_build.fp8_tiles()
+    times: dict[bool, list[float]] = {served: [], False: []}
+    try:
+        for _ in range(rounds):
+            for on in times:
+                cpu_build.fp8_tiles(on)
+                t = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    engine.step()
+                    t.append(time.perf_counter() - t0)
+                times[on].append(statistics.median(t) * 1e3)
+    finally:
+        cpu_build.fp8_tiles(served)
+    text = lambda v: f"{statistics.median(v):.2f} ms [{min(v):.2f}-{max(v):.2f}]"  # noqa: E731
+    if not served:
+        return f"         FP8 products as served: float32 already (cpu_build.fp8_tiles off): {text(times[False])}"
+    return (f"         FP8 products on the bf16 dot products {text(times[True])}, in float32 {text(times[False])}: "
+            f"{statistics.median(times[False]) / statistics.median(times[True]):.2f}x ({rounds} alternating rounds of "
+            f"{steps} steps)")
 
 
 def over_local_median(times: list[float], half: int = 10) -> list[float]:
