@@ -167,21 +167,22 @@ int64_t set_fp8_tiles(int64_t on) {
     return fp8_on;
 }
 
-/* 32 FP8 e4m3fn values as bf16 bits, exactly, times 2^-8 (as widen_fp8): a normal value's exponent and mantissa
- * bits moved up by 4 with the exponent's bias raised by 112 (7 -> 127 less 8), the sign kept; a subnormal one (m
- * 2^-9, m < 8: exponent bits 0) from a table of m 2^-17. The NaN bytes give +-480 2^-8, as load_fp8x16. */
+/* 32 FP8 e4m3fn values as bf16 bits, exactly, times 2^-8 (as widen_fp8): a normal value's bits moved up by 4 (the
+ * sign, sign-extended, lands in bit 15; exponent and mantissa in bits 10..4) with the exponent's bias raised by 112
+ * (7 -> 127 less 8); a subnormal one (m 2^-9, m < 8: exponent bits 0) from a table of m 2^-17. The NaN bytes give
+ * +-480 2^-8, as load_fp8x16. */
 static inline __m512i fp8x32_to_bf16(const uint8_t *p) {
     const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); /* the sign in bits 15..7 */
-    const __m512i sign = _mm512_set1_epi16((short)0x8000);
-    __m512i v = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(b, 4), _mm512_set1_epi16(0x07f0)),
-                                 _mm512_set1_epi16(112 << 7));
+    __m512i v = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(b, 4), _mm512_set1_epi16((short)0x87f0)),
+                                 _mm512_set1_epi16(112 << 7)); /* (no carry into the sign: at most 0x3ff0) */
     __mmask32 sub = _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78));
     if (sub) { /* rare in weights: zeros and values below 2^-6 of the block's scale */
         const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                0x3860, 0x3840, 0x3820, 0x3800, 0x37c0, 0x3780, 0x3700, 0);
-        v = _mm512_mask_mov_epi16(v, sub, _mm512_permutexvar_epi16(b, table)); /* index: the low 5 bits, m */
+        const __m512i m = _mm512_permutexvar_epi16(b, table); /* index: the low 5 bits, m */
+        v = _mm512_mask_mov_epi16(v, sub, _mm512_ternarylogic_epi32(m, b, _mm512_set1_epi16((short)0x8000), 0xf8));
     }
-    return _mm512_ternarylogic_epi32(v, b, sign, 0xf8); /* v | (b & sign) */
+    return v;
 }
 
 /* NR (<= 8) x rows in bf16 (xb [NR][K]) against FP8 weight rows o0 .. o0 + n (n <= 16) into y[:, 0..n), along K:
