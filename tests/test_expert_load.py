@@ -254,6 +254,25 @@ def test_slots_follow_placement():
     assert rec.to_json()["physical_counts"] == [[0, 0, 0, 2]]  # only the measured step is in the measured window
 
 
+def test_slot_ids_that_are_the_expert_ids_count_as_measured():
+    """A layer with a slot per expert passes one tensor as both ids (moe/model.py, the fused decode layer): the slot
+    counts are then the expert counts, the same as when the same ids come as two tensors (one scatter-add each, the
+    layers' offsets kept per pattern of layers and ids), step after step and across batch sizes."""
+    fast, slow = ExpertLoadRecorder(2, 4, window_steps=3), ExpertLoadRecorder(2, 4, window_steps=3)
+    g = torch.Generator().manual_seed(0)
+    for tokens in (1, 3, 3, 2, 5):
+        ids = [torch.randint(0, 4, (tokens, 2), generator=g) for _ in range(2)]
+        for layer in (0, 1):
+            fast.record(layer, ids[layer], ids[layer])
+            slow.record(layer, ids[layer], ids[layer].clone())
+        fast.end_step()
+        slow.end_step()
+        a, b = fast.to_json(), slow.to_json()
+        assert a["physical_counts"] == b["physical_counts"] and a["logical_counts"] == b["logical_counts"]
+        assert a["physical_counts"] == a["logical_counts"]
+    assert fast.snapshot().total_LE.sum() == 2 * 2 * (1 + 3 + 3 + 2 + 5)
+
+
 def test_identity_placement_json():
     rec = ExpertLoadRecorder(2, 4, layer_ids=[1, 3])
     dump = rec.to_json()
