@@ -353,12 +353,13 @@ def test_fp8_dot_products_over_two_threads_in_heads_and_experts(float32_products
 @fp8_dot_products
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 15])
 @pytest.mark.parametrize("O,K,block", [(1536, 512, (128, 128)), (40, 96, (8, 32)), (17, 128, (16, 64)),
-                                       (64, 64, (16, 16))])
+                                       (48, 160, (16, 64)), (64, 64, (16, 16))])
 def test_fp8_decode_rows_on_bf16_dot_products(M, O, K, block, float32_products, fp8_tiles_on):
     """Below 16 rows (decode), for a model served in bf16, an FP8 product whose K and blocks' columns are multiples
     of 32 takes the dot products along K (fp8_decode_dp: 32 weights widened to bf16 in registers, exactly): it equals
-    F.linear on x rounded to bf16 and the dequantised weight, for any O (16 outputs at a time and the rest) and block
-    rows; blocks of 16 columns stay float32, and so does everything with the products off or served in float32."""
+    F.linear on x rounded to bf16 and the dequantised weight, for any O (16 outputs at a time and the rest), block
+    rows, and a last block of columns cut short by K (160 = 64 + 64 + 32); blocks of 16 columns stay float32, and so
+    does everything with the products off or served in float32."""
     g = torch.Generator().manual_seed(M * 7 + O + K)
     w, s = _fp8(O, K, block=block, g=g)
     x = torch.randn(M, K, generator=g) * 4

@@ -198,10 +198,11 @@ static void fp8_lanes(const uint16_t *xb, int64_t K, const Weight *w, int64_t o0
         __m512 t[NR];
         for (int r = 0; r < NR; r++) t[r] = _mm512_setzero_ps();
         for (int64_t k0 = 0; k0 < K; k0 += bk) {
+            const int64_t end = k0 + bk < K ? k0 + bk : K; /* a last block cut short by K (still 32s) */
             __m512 a[NR][2];
             for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
             int64_t k = k0;
-            for (; k + 64 <= k0 + bk; k += 64) {
+            for (; k + 64 <= end; k += 64) {
                 _mm_prefetch((const char *)(wr + k) + 2048, _MM_HINT_T0);
                 __m512bh w0 = (__m512bh)fp8x32_to_bf16(wr + k), w1 = (__m512bh)fp8x32_to_bf16(wr + k + 32);
                 for (int r = 0; r < NR; r++) {
@@ -209,7 +210,7 @@ static void fp8_lanes(const uint16_t *xb, int64_t K, const Weight *w, int64_t o0
                     a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32), w1);
                 }
             }
-            if (k < k0 + bk) { /* 32 left */
+            if (k < end) { /* 32 left */
                 __m512bh w0 = (__m512bh)fp8x32_to_bf16(wr + k);
                 for (int r = 0; r < NR; r++)
                     a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_loadu_si512(xb + r * K + k), w0);
