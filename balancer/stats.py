@@ -137,7 +137,9 @@ class ExpertLoadRecorder:
 
     def _count_pending(self) -> None:
         """The step's routing, every layer at once: one scatter-add into the step's expert counts and one into
-        its slot counts (a scatter-add per layer cost about 50 us of Python and dispatch on a CPU)."""
+        its slot counts (a scatter-add per layer cost about 50 us of Python and dispatch on a CPU), or the expert
+        counts again where every layer passed one tensor as both (end_step for 5 layers: 19 us against 40 with a
+        second scatter-add and each layer's offsets added apart, on a Zen 5 VM)."""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -157,8 +159,7 @@ class ExpertLoadRecorder:
     def _scatter(self, counts_LW: torch.Tensor, ids: list[tuple[int, torch.Tensor]], width: int) -> None:
         """counts_LW[layer, id] += 1 for every (layer, ids) given, in one scatter-add. Each id's row offset (layer x
         width) comes from a tensor kept per pattern of (layer, number of ids): a step's pattern repeats as long as
-        its batch does, so a decode step costs a concatenation, an add and the scatter-add (about 60 us less of
-        dispatch than adding each layer's offset apart, on a Zen 5 VM)."""
+        its batch does, so a decode step costs a concatenation, an add and the scatter-add."""
         key = (width, tuple((layer, t.numel()) for layer, t in ids))
         offsets = self._offsets.get(key)
         if offsets is None:

@@ -229,9 +229,12 @@ static void fp8_lanes(const uint16_t *xb, int64_t K, const Weight *w, int64_t o0
     }
 }
 
+/* Whether FP8 products by w can go along K at all (fp8_decode_dp): the setting on, K and the blocks' columns in 32s */
+static inline int fp8_along_k(const Weight *w, int64_t K) { return fp8_on && dp_rows && K % 32 == 0 && w->bk % 32 == 0; }
+
 int fp8_decode_dp(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
                   int64_t K, int64_t O) {
-    if (!fp8_on || !dp_rows || K % 32 || w->bk % 32 || MB < 1 || MB > 8) return 0;
+    if (!fp8_along_k(w, K) || MB < 1 || MB > 8) return 0;
     uint16_t *xb = (uint16_t *)thread_scratch((size_t)MB * K * 2);
     if (!xb) return 0;
     for (int64_t r = 0; r < MB; r++)
@@ -262,8 +265,7 @@ int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int
     int64_t Mp;
     /* FP8 weights in blocks of a multiple of 16 rows (the scale is one for the 8 or 16 rows that rows_block takes) */
     const int fp8 = w->scale != NULL;
-    if (fp8 && (M <= 8 || (M <= FP8_LANE_ROWS && K <= FP8_LANE_K)) && fp8_on && dp_rows && K % 32 == 0 &&
-        w->bk % 32 == 0)
+    if (fp8 && (M <= 8 || (M <= FP8_LANE_ROWS && K <= FP8_LANE_K)) && fp8_along_k(w, K))
         return 0; /* along K: linear_fp8w.cpp's fp8w_block calls fp8_decode_dp */
     uint32_t *xp = packed_x_for(w, M, K, O, min_rows, &Mp, fp8 && fp8_on && w->bo % 16 == 0 && w->bk % 2 == 0);
     if (!xp) return 0;
