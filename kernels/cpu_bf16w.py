@@ -56,9 +56,9 @@ def tiles_take(rows: int, K: int, O: int, scale_inv: torch.Tensor | None = None,
     """Whether the kernel runs a product of `rows` rows by this weight in bf16, rounding x (the AMX tiles,
     csrc/linear_amx.cpp, or AVX512-BF16 dot products, csrc/linear_dpbf16.cpp). A bf16 weight: K a multiple of 32,
     O of 16, at least cpu_build.tile_rows() rows. An FP8 one only where cpu_build.fp8_tiles() (AVX512-BF16, a model
-    served in bf16): so, in blocks of a multiple of 16 rows (each block of 32 weight rows widened to bf16 exactly);
-    and for any number of rows where K and the blocks' columns are multiples of 32 (fp8_decode_dp: 32 weights at a
-    time widened in registers, along K). Each block of inputs' sum is scaled."""
+    served in bf16): as a bf16 weight where its blocks are a multiple of 16 rows (each block of 32 weight rows
+    widened to bf16 exactly), and at any number of rows where K and the blocks' columns are multiples of 32
+    (fp8_decode_dp: 32 weights at a time widened in registers, along K). Each block of inputs' sum is scaled."""
     tiles = cpu_build.tile_rows()
     if scale_inv is None:
         return 0 < tiles <= rows and K % 32 == 0 and O % 16 == 0
