@@ -314,40 +314,57 @@ def test_fp8_products_of_many_rows_on_bf16_dot_products(M, O, K, block, float32_
                                rtol=1e-5, atol=1e-4)
 
 
-@fp8_dot_products
-def test_fp8_dot_products_over_two_threads_in_heads_and_experts(float32_products, fp8_tiles_on):
-    """The FP8 dot products split over two threads (each widening its own blocks of weight rows), in per-head
-    products (16+ rows a head) and in experts of 16+ rows (x rounded for w13, the SiLU product for w2)."""
+@pytest.fixture
+def two_threads_tiles():
+    """Two threads, the bf16 products from their usual rows (after float32_products turned them off)."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     cpu_build.tile_rows(cpu_build.TILE_ROWS)
-    try:
-        g = torch.Generator().manual_seed(3)
-        w, s = _fp8(2048, 512, block=(128, 128), g=g)
-        x = torch.randn(64, 512, generator=g)
-        torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=(128, 128)),
-                                   F.linear(x.bfloat16().float(), _dense(w, s, (128, 128))), rtol=1e-5, atol=1e-4)
-        wh, sh = _fp8(64, 128, block=(32, 32), g=g, lead=(4,))
-        xh = torch.randn(20, 4, 128, generator=g).transpose(0, 1)  # rows strided by heads, as the model passes them
-        dense_h = torch.stack([_dense(wh[b], sh[b], (32, 32)) for b in range(4)])
-        torch.testing.assert_close(cpu_bf16w.bmm(xh, wh, sh, (32, 32)),
-                                   torch.bmm(xh.bfloat16().float(), dense_h.transpose(1, 2)), rtol=1e-5, atol=1e-4)
-        T, H, I, block = 40, 64, 32, (16, 16)
-        w13, s13 = _fp8(2 * I, H, block=block, g=g, lead=(2,))
-        w2, s2 = _fp8(H, I, block=block, g=g, lead=(2,))
-        x = torch.randn(T, H, generator=g)
-        ids = torch.tensor([0] * 24 + [1] * 16).unsqueeze(1)
-        weights = torch.rand(T, 1, generator=g)
-        want = torch.empty(T, H)
-        for e in range(2):
-            rows = (ids[:, 0] == e).nonzero().flatten()
-            gate, up = F.linear(x[rows].bfloat16().float(), _dense(w13[e], s13[e], block)).chunk(2, dim=-1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _check_linear_and_heads(rows: int, head_rows: int, g: torch.Generator) -> None:
+    """A 2048 x 512 FP8 product of `rows` rows, and 4 per-head products of `head_rows` rows each (strided by heads,
+    as the model passes them), against F.linear / torch.bmm on x rounded to bf16."""
+    w, s = _fp8(2048, 512, block=(128, 128), g=g)
+    x = torch.randn(rows, 512, generator=g)
+    torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=(128, 128)),
+                               F.linear(x.bfloat16().float(), _dense(w, s, (128, 128))), rtol=1e-5, atol=1e-4)
+    wh, sh = _fp8(64, 128, block=(32, 32), g=g, lead=(4,))
+    xh = torch.randn(head_rows, 4, 128, generator=g).transpose(0, 1)
+    dense_h = torch.stack([_dense(wh[b], sh[b], (32, 32)) for b in range(4)])
+    torch.testing.assert_close(cpu_bf16w.bmm(xh, wh, sh, (32, 32)),
+                               torch.bmm(xh.bfloat16().float(), dense_h.transpose(1, 2)), rtol=1e-5, atol=1e-4)
+
+
+def _check_experts(ids_TK: torch.Tensor, H: int, I: int, block: tuple[int, int], g: torch.Generator) -> None:
+    """Routed FP8 experts (ids_TK of max + 1 experts, random weights) against the reference of a model served in bf16:
+    x rounded to bf16 for w13, the SiLU product for w2."""
+    T, K = ids_TK.shape
+    E = int(ids_TK.max()) + 1
+    w13, s13 = _fp8(2 * I, H, block=block, g=g, lead=(E,))
+    w2, s2 = _fp8(H, I, block=block, g=g, lead=(E,))
+    x = torch.randn(T, H, generator=g)
+    weights = torch.rand(T, K, generator=g)
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids_TK[t, k])
+            gate, up = F.linear(x[t:t + 1].bfloat16().float(), _dense(w13[e], s13[e], block)).chunk(2, dim=-1)
             h = (F.silu(gate) * up).bfloat16().float()
-            want[rows] = F.linear(h, _dense(w2[e], s2[e], block)) * weights[rows]
-        got = cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, block=block)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    finally:
-        torch.set_num_threads(before)
+            want[t] += (F.linear(h, _dense(w2[e], s2[e], block)) * weights[t, k])[0]
+    got = cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids_TK, w13_scale=s13, w2_scale=s2, block=block)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@fp8_dot_products
+def test_fp8_dot_products_over_two_threads_in_heads_and_experts(float32_products, fp8_tiles_on, two_threads_tiles):
+    """The FP8 dot products split over two threads (each widening its own blocks of weight rows), in per-head
+    products (16+ rows a head) and in experts of 16+ rows (x rounded for w13, the SiLU product for w2)."""
+    g = torch.Generator().manual_seed(3)
+    _check_linear_and_heads(64, 20, g)
+    _check_experts(torch.tensor([0] * 24 + [1] * 16).unsqueeze(1), 64, 32, (16, 16), g)
 
 
 @fp8_dot_products
@@ -400,37 +417,9 @@ def test_every_fp8_byte_widens_exactly_on_the_dot_products(float32_products, fp8
 
 
 @fp8_dot_products
-def test_fp8_decode_rows_over_two_threads_in_heads_and_experts(float32_products, fp8_tiles_on):
+def test_fp8_decode_rows_over_two_threads_in_heads_and_experts(float32_products, fp8_tiles_on, two_threads_tiles):
     """Decode-sized FP8 products on the dot products along K split over two threads, in per-head products (a few
     rows a head, strided) and in experts of a few rows each (x rounded for w13, the SiLU product for w2)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    cpu_build.tile_rows(cpu_build.TILE_ROWS)
-    try:
-        g = torch.Generator().manual_seed(5)
-        w, s = _fp8(2048, 512, block=(128, 128), g=g)
-        x = torch.randn(4, 512, generator=g)
-        torch.testing.assert_close(cpu_bf16w.linear(x, w, scale_inv=s, block=(128, 128)),
-                                   F.linear(x.bfloat16().float(), _dense(w, s, (128, 128))), rtol=1e-5, atol=1e-4)
-        wh, sh = _fp8(64, 128, block=(32, 32), g=g, lead=(4,))
-        xh = torch.randn(3, 4, 128, generator=g).transpose(0, 1)
-        dense_h = torch.stack([_dense(wh[b], sh[b], (32, 32)) for b in range(4)])
-        torch.testing.assert_close(cpu_bf16w.bmm(xh, wh, sh, (32, 32)),
-                                   torch.bmm(xh.bfloat16().float(), dense_h.transpose(1, 2)), rtol=1e-5, atol=1e-4)
-        T, H, I, block = 6, 64, 64, (32, 32)
-        w13, s13 = _fp8(2 * I, H, block=block, g=g, lead=(3,))
-        w2, s2 = _fp8(H, I, block=block, g=g, lead=(3,))
-        x = torch.randn(T, H, generator=g)
-        ids = torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0], [1, 0], [2, 1]])
-        weights = torch.rand(T, 2, generator=g)
-        want = torch.zeros(T, H)
-        for t in range(T):
-            for k in range(2):
-                e = int(ids[t, k])
-                gate, up = F.linear(x[t:t + 1].bfloat16().float(), _dense(w13[e], s13[e], block)).chunk(2, dim=-1)
-                h = (F.silu(gate) * up).bfloat16().float()
-                want[t] += (F.linear(h, _dense(w2[e], s2[e], block)) * weights[t, k])[0]
-        got = cpu_moe.fused_moe_bf16w(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, block=block)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    finally:
-        torch.set_num_threads(before)
+    g = torch.Generator().manual_seed(5)
+    _check_linear_and_heads(4, 3, g)
+    _check_experts(torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0], [1, 0], [2, 1]]), 64, 64, (32, 32), g)
