@@ -27,7 +27,7 @@
  * FP8 kernel (linear_fp8w.cpp, which widens each weight once per 8 x rows), 0.6-0.8x the bf16 weight's speed.
  * Products of few rows (decode: see FP8_LANE_ROWS) go along K instead, where K and the blocks' columns are multiples of
  * 32 (fp8_decode_dp, which linear_fp8w.cpp's fp8w_block calls for each 8 rows): 32 weights widened in registers
- * (fp8x32_to_bf16) and dotted with each x row, each block of bk summed apart and scaled, 16 outputs' lanes reduced
+ * (fp8x32_to_bf16, as widen_fp8 does) and dotted with each x row, each block of bk summed apart and scaled, 16 outputs' lanes reduced
  * at once. On the Zen 5 VM (1536 x 512, 2 threads, alternating with the float32 FP8 kernel in one process) 1.1-1.2x
  * faster at 1-2 rows, 1.4-1.5x at 4-24, and faster than a bf16 weight's float32 kernel at every row count up to 8.
  *
@@ -110,14 +110,41 @@ static inline void rows_blocks(int64_t left, const uint16_t *w, int64_t ldw, con
         rows_block<8, 2, SCALED>(w, ldw, xp, K, m0, o0, c, oc, sk, ldsk, bk);
 }
 
-/* Rows o0 .. o0 + n of an FP8 weight widened into wb [n][K] (bf16 bits): each value exactly, times 2^-8 (as
- * load_fp8x16 gives it: an e4m3 value has 4 significant bits, bf16 holds 8); K a multiple of 16 */
+/* 32 FP8 e4m3fn values as bf16 bits, exactly, times 2^-8 (as load_fp8x16 widens them to float32): a normal value's
+ * bits moved up by 4 (the sign, sign-extended, lands in bit 15; exponent and mantissa in bits 10..4) with the
+ * exponent's bias raised by 112 (7 -> 127 less 8); a subnormal one (m 2^-9, m < 8: exponent bits 0) from a table
+ * of m 2^-17. The NaN bytes give +-480 2^-8, as load_fp8x16. */
+static inline __m512i fp8x32_to_bf16(const uint8_t *p) {
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); /* the sign in bits 15..7 */
+    __m512i v = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(b, 4), _mm512_set1_epi16((short)0x87f0)),
+                                 _mm512_set1_epi16(112 << 7)); /* (no carry into the sign: at most 0x3ff0) */
+    __mmask32 sub = _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78));
+    if (sub) { /* rare in weights: zeros and values below 2^-6 of the block's scale */
+        const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               0x3860, 0x3840, 0x3820, 0x3800, 0x37c0, 0x3780, 0x3700, 0);
+        const __m512i m = _mm512_permutexvar_epi16(b, table); /* index: the low 5 bits, m */
+        v = _mm512_mask_mov_epi16(v, sub, _mm512_ternarylogic_epi32(m, b, _mm512_set1_epi16((short)0x8000), 0xf8));
+    }
+    return v;
+}
+
+/* Rows o0 .. o0 + n of an FP8 weight widened into wb [n][K] (bf16 bits): each value exactly, times 2^-8 (an e4m3
+ * value has 4 significant bits, bf16 holds 8); K a multiple of 32 */
 static void widen_fp8(const Weight *w, int64_t o0, int64_t n, int64_t K, uint16_t *wb) {
     for (int64_t o = 0; o < n; o++) {
         const uint8_t *src = (const uint8_t *)w->data + (o0 + o) * w->ld;
-        for (int64_t k = 0; k < K; k += 16)
-            _mm256_storeu_si256((__m256i *)(wb + o * K + k), (__m256i)_mm512_cvtneps_pbh(load_fp8x16(src + k)));
+        for (int64_t k = 0; k < K; k += 32) _mm512_storeu_si512(wb + o * K + k, fp8x32_to_bf16(src + k));
     }
+}
+
+/* R x rows (row stride ldx) rounded to bf16 into xb [R][K], row after row; K a multiple of 32 */
+static void rows_to_bf16(const float *x, int64_t ldx, int64_t R, int64_t K, uint16_t *xb) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t k = 0; k < K; k += 32) {
+            const float *xr = x + r * ldx + k;
+            _mm512_storeu_si512(xb + r * K + k,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr)));
+        }
 }
 
 /* The last R (< 16) x rows of a product, where a block of 16 lanes would be mostly zeros: lanes along K instead.
@@ -165,24 +192,6 @@ static int64_t fp8_on; /* FP8 weights too (set_fp8_tiles) */
 int64_t set_fp8_tiles(int64_t on) {
     if (on >= 0) fp8_on = on != 0;
     return fp8_on;
-}
-
-/* 32 FP8 e4m3fn values as bf16 bits, exactly, times 2^-8 (as widen_fp8): a normal value's bits moved up by 4 (the
- * sign, sign-extended, lands in bit 15; exponent and mantissa in bits 10..4) with the exponent's bias raised by 112
- * (7 -> 127 less 8); a subnormal one (m 2^-9, m < 8: exponent bits 0) from a table of m 2^-17. The NaN bytes give
- * +-480 2^-8, as load_fp8x16. */
-static inline __m512i fp8x32_to_bf16(const uint8_t *p) {
-    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); /* the sign in bits 15..7 */
-    __m512i v = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(b, 4), _mm512_set1_epi16((short)0x87f0)),
-                                 _mm512_set1_epi16(112 << 7)); /* (no carry into the sign: at most 0x3ff0) */
-    __mmask32 sub = _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78));
-    if (sub) { /* rare in weights: zeros and values below 2^-6 of the block's scale */
-        const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                               0x3860, 0x3840, 0x3820, 0x3800, 0x37c0, 0x3780, 0x3700, 0);
-        const __m512i m = _mm512_permutexvar_epi16(b, table); /* index: the low 5 bits, m */
-        v = _mm512_mask_mov_epi16(v, sub, _mm512_ternarylogic_epi32(m, b, _mm512_set1_epi16((short)0x8000), 0xf8));
-    }
-    return v;
 }
 
 /* NR (<= 8) x rows in bf16 (xb [NR][K]) against FP8 weight rows o0 .. o0 + n (n <= 16) into y[:, 0..n), along K:
@@ -237,12 +246,7 @@ int fp8_decode_dp(int64_t MB, const float *x, int64_t ldx, const Weight *w, int6
     if (!fp8_along_k(w, K) || MB < 1 || MB > 8) return 0;
     uint16_t *xb = (uint16_t *)thread_scratch((size_t)MB * K * 2);
     if (!xb) return 0;
-    for (int64_t r = 0; r < MB; r++)
-        for (int64_t k = 0; k < K; k += 32) {
-            const float *xr = x + r * ldx + k;
-            _mm512_storeu_si512(xb + r * K + k,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr)));
-        }
+    rows_to_bf16(x, ldx, MB, K, xb);
     for (int64_t o = 0; o < O; o += 16) {
         int n = O - o < 16 ? (int)(O - o) : 16;
         float *yo = y + o;
@@ -280,11 +284,7 @@ int linear_tiles_min(const float *x, int64_t ldx, const Weight *w, float *y, int
     if (R) Mp = M - R;  /* the scratch has room for 16 more packed rows: the tail's R rows of bf16 fit there */
     uint16_t *xt = (uint16_t *)(xp + (K / 2) * Mp);  /* the tail's x rows in bf16, [R][K] */
     pack_x(x, ldx, M - R, Mp, K, xp, threads);
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t k = 0; k < K; k += 32) {
-            const float *xr = x + (Mp + r) * ldx + k;
-            _mm512_storeu_si512(xt + r * K + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr)));
-        }
+    rows_to_bf16(x + Mp * ldx, ldx, R, K, xt);
     parallel_for(blocks, threads, [&](int64_t b, int slot) {
         int64_t ob = 32 * b, width = O - ob < 32 ? O - ob : 32;
         const uint16_t *wb = wd; /* the block's weight rows, from row wo */
