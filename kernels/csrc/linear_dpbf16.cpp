@@ -27,9 +27,10 @@
  * FP8 kernel (linear_fp8w.cpp, which widens each weight once per 8 x rows), 0.6-0.8x the bf16 weight's speed.
  * Products of few rows (decode: see FP8_LANE_ROWS) go along K instead, where K and the blocks' columns are multiples of
  * 32 (fp8_decode_dp, which linear_fp8w.cpp's fp8w_block calls for each 8 rows): 32 weights widened in registers
- * (fp8x32_to_bf16, as widen_fp8 does) and dotted with each x row, each block of bk summed apart and scaled, 16 outputs' lanes reduced
- * at once. On the Zen 5 VM (1536 x 512, 2 threads, alternating with the float32 FP8 kernel in one process) 1.1-1.2x
- * faster at 1-2 rows, 1.4-1.5x at 4-24, and faster than a bf16 weight's float32 kernel at every row count up to 8.
+ * (fp8x32_to_bf16, as widen_fp8 does) and dotted with each x row, each block of bk summed apart and scaled, 16
+ * outputs' lanes reduced at once. On the Zen 5 VM (1536 x 512, 2 threads, alternating with the float32 FP8 kernel
+ * in one process) 1.1-1.2x faster at 1-2 rows, 1.4-1.5x at 4-24, and faster than a bf16 weight's float32 kernel at
+ * every row count up to 8.
  *
  * Shapes that this does not cover (O not a multiple of 16, K not one of 32, FP8 blocks of other row counts) return
  * 0 and the float32 kernels run.
@@ -239,7 +240,9 @@ static void fp8_lanes(const uint16_t *xb, int64_t K, const Weight *w, int64_t o0
 }
 
 /* Whether FP8 products by w can go along K at all (fp8_decode_dp): the setting on, K and the blocks' columns in 32s */
-static inline int fp8_along_k(const Weight *w, int64_t K) { return fp8_on && dp_rows && K % 32 == 0 && w->bk % 32 == 0; }
+static inline int fp8_along_k(const Weight *w, int64_t K) {
+    return fp8_on && dp_rows && K % 32 == 0 && w->bk % 32 == 0;
+}
 
 int fp8_decode_dp(int64_t MB, const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y, int64_t ldy,
                   int64_t K, int64_t O) {
