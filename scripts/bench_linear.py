@@ -8,8 +8,8 @@ Microseconds per call for one [out, in] weight at several row counts, cycling ov
 weights so they do not stay in cache (as in a decode step, which reads each weight once). Default: the
 bf16-weight kernel of kernels/cpu_bf16w.py (float32 x) against F.linear on the same weights held in float32. --fp8-weights: the FP8-weight kernel (the same
 weights as float8_e4m3fn with (128, 128) block scales) against the bf16-weight kernel, both float32 x, as for a
-model served in bf16 (cpu_build.fp8_tiles on: products of 16+ rows on the bf16 dot products where the build has
-them); --fp8-float32 as for one served in float32 (every FP8 product float32). --fp8-both: the bf16-weight
+model served in bf16 (cpu_build.fp8_tiles on: FP8 products on the bf16 dot products where the build has them);
+--fp8-float32 as for one served in float32 (every FP8 product float32). --fp8-both: the bf16-weight
 kernel, FP8 as served in float32 and FP8 as served in bf16, in alternating rounds (--rounds, medians), each on its
 own copies of the weights (a set read just before by another column would be partly in cache).
 --gemm: GFLOP/s of prompt-sized products (rows x in x out, median of 20, one weight): the kernel as it runs
@@ -72,7 +72,7 @@ def main() -> None:
         ref_fn, ref_what = cpu_bf16w.linear, "bf16-weight kernel"
         new_fn = lambda x, w: cpu_bf16w.linear(x, fp8[id(w)], scale_inv=scale, block=block)  # noqa: E731
         on = cpu_build.fp8_tiles(not args.fp8_float32)
-        print(f"FP8 products of {cpu_build.tile_rows()}+ rows on the bf16 dot products: {'yes' if on else 'no'}")
+        print(f"FP8 products on the bf16 dot products: {'yes' if on else 'no'}")
     else:
         ref_ws, x_dtype, what = [w.float() for w in ws], torch.float32, "bf16-weight kernel"
         new_fn = cpu_bf16w.linear
