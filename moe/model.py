@@ -202,6 +202,9 @@ class DeepseekModel(nn.Module):
             else MissingLayer()
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+        # This stage's layers, in order (slicing the ModuleList builds a new one, a step's largest Python cost
+        # outside the layers at decode)
+        self.local_layers: tuple[nn.Module, ...] = tuple(self.layers[self.start:self.end])
 
     def forward(self, input_ids_T, positions_T, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 hidden_TH: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,7 +212,7 @@ class DeepseekModel(nn.Module):
         hidden states instead of token ids."""
         x_TH = self.embed_tokens(input_ids_T) if self.is_first else hidden_TH
         cos_TR2, sin_TR2 = self.rope.cos_sin(positions_T)
-        for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches):
+        for layer, kv_cache in zip(self.local_layers, kv_caches):
             x_TH = layer(x_TH, cos_TR2, sin_TR2, kv_cache, meta)
         return self.norm(x_TH) if self.is_last else x_TH
 
@@ -254,7 +257,7 @@ class DeepseekForCausalLM(nn.Module):
         return self._whole_layer_limit("chunk_context")
 
     def _whole_layer_limit(self, name: str) -> int:
-        fast = [layer.fast_decode for layer in self.model.layers[self.model.start:self.model.end]]
+        fast = [layer.fast_decode for layer in self.model.local_layers]
         if not fast or any(f is None for f in fast):
             return 0
         return min(getattr(f, name, 0) for f in fast)
@@ -262,7 +265,7 @@ class DeepseekForCausalLM(nn.Module):
     def after_loading(self) -> None:
         """Once, after the weights are in: MLA's absorbed per-head weights, the kernel backend's preparation
         (kernels/ops.py), and each layer's whole-layer decode path where the backend has one."""
-        layers = self.model.layers[self.model.start:self.model.end]
+        layers = self.model.local_layers
         for layer in layers:
             layer.self_attn.absorb_weights()
         ops.prepare(self)
