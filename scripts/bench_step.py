@@ -48,6 +48,9 @@ from moe_serve.moe.tiny import ensure_checkpoint  # noqa: E402
 from moe_serve.server import LLM, SamplingParams  # noqa: E402
 from moe_serve.server.tools.bench import percentile  # noqa: E402
 
+import machine_floor  # noqa: E402  (scripts/, beside this one)
+from machine_floor import over_local_median  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,12 +217,6 @@ def fp8_ab_line(engine, rounds: int = 12, steps: int = 15) -> str:
             f"{steps} steps)")
 
 
-def over_local_median(times: list[float], half: int = 10) -> list[float]:
-    """Each time over the median of its 2 * half + 1 neighbours (which follows a slow drift, such as the growth
-    of the contexts)."""
-    return [t / statistics.median(times[max(0, i - half):i + half + 1]) for i, t in enumerate(times)]
-
-
 def jitter_line(times: list[float]) -> str:
     """Steps of one batch doing the same work: p90 / p99 of each step's time over its local median."""
     rel = over_local_median(times)
@@ -229,26 +226,15 @@ def jitter_line(times: list[float]) -> str:
 
 def gemm_floor_line(target_s: float, iterations: int) -> str:
     """The machine's floor under `jitter_line`, in the same run: the same statistic over float32 GEMMs sized to
-    take about `target_s` each on the same threads (fixed arithmetic that needs every thread, as a step does),
-    and the CPU time other processes took meanwhile."""
-    n = 256
-    for _ in range(4):  # a GEMM's time grows as n ** 3
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        n = max(64, round(n * (target_s / (time.perf_counter() - t0)) ** (1 / 3)))
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    times = []
+    take about `target_s` each on the same threads (fixed arithmetic that needs every thread, as a step does;
+    scripts/machine_floor.py), and the CPU time other processes took meanwhile."""
+    what, gemm = machine_floor.gemm_probe(target_s)
     before = other_threads_cpu()
     t_all = time.perf_counter()
-    for _ in range(iterations):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
+    times = machine_floor.timed(gemm, iterations)
     others = other_cpu_text(before, other_threads_cpu(), time.perf_counter() - t_all)
     rel = over_local_median(times)
-    return (f"         the machine's floor, {iterations} GEMMs of {n}^3 float32 ({statistics.median(times) * 1e3:.1f} ms "
+    return (f"         the machine's floor, {iterations} runs of a {what} ({statistics.median(times) * 1e3:.1f} ms "
             f"each): over the local median p90 {percentile(rel, 90):.2f}, p99 {percentile(rel, 99):.2f}; {others}")
 
 

@@ -62,6 +62,8 @@ def script():
     def get(name: str):
         if name not in loaded:
             path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+            if str(path.parent) not in sys.path:  # as when run: its siblings import by name
+                sys.path.append(str(path.parent))
             spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)  # (its dataclasses look it up)
             loaded[name] = sys.modules[f"scripts_{name}"] = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(loaded[name])

@@ -66,8 +66,40 @@ def test_base_model_path_is_resolved_and_checked(script, checkpoint, monkeypatch
     with pytest.raises(SystemExit, match=f"--moe-base-model missing: no config.json in {tmp_path / 'missing'}"):
         peer.main()
     seen = []
-    monkeypatch.setattr(peer, "compare", lambda specs, *a: seen.extend(specs) or {})
+    monkeypatch.setattr(peer, "compare", lambda specs, *a: seen.extend(specs) or ({}, []))
     monkeypatch.setattr("sys.argv", argv[:-1] + ["."])  # a relative path to a checkpoint
     monkeypatch.chdir(checkpoint("v3"))
     peer.main()
     assert seen and seen[0].name == "moe-base" and str(Path(checkpoint("v3")).resolve()) in " ".join(seen[0].cmd)
+
+
+def test_machine_floor_statistics(script):
+    floor = script("machine_floor")
+    times = [0.005] * 99 + [0.010]  # one run of a hundred twice as slow
+    stats = floor.floor_stats(times)
+    assert stats["median_ms"] == pytest.approx(5.0) and stats["runs"] == 100
+    assert 1.0 < stats["p99_over_p50"] < 2.0 and stats["p99_over_local"] > 1.0
+    assert floor.floor_stats([0.005] * 100)["p99_over_p50"] == 1.0
+
+
+def test_machine_floor_probe_runs_on_the_servers_threads_and_is_reported(script, monkeypatch):
+    import torch
+
+    peer = script("bench_peer")
+    seen = {}
+
+    def fake_measure(target_s, runs):
+        seen["threads"], seen["target_s"], seen["runs"] = torch.get_num_threads(), target_s, runs
+        return {"gemm": {"what": "GEMM 700^3 float32", "threads": 1, "median_ms": 5.0, "p99_over_p50": 1.6,
+                         "p99_over_local": 1.4, "runs": runs},
+                "read": {"what": "sum of 200 MB", "threads": 1, "median_ms": 4.8, "p99_over_p50": 1.3,
+                         "p99_over_local": 1.2, "runs": runs}}
+
+    monkeypatch.setattr(peer.machine_floor, "measure", fake_measure)
+    before = torch.get_num_threads()
+    args = argparse.Namespace(moe_env="OMP_NUM_THREADS=1", machine_floor_ms=5.0, machine_floor_runs=50)
+    floors = [peer.floor_probe(Gate(), args) for _ in range(3)]
+    assert seen == {"threads": 1, "target_s": 0.005, "runs": 50} and torch.get_num_threads() == before
+    lines = "\n".join(peer.floor_lines(floors))
+    assert "| GEMM 700^3 float32, 1 threads | 5.0 [5.0-5.0] | 1.60 [1.60-1.60] | 1.40 [1.40-1.40] |" in lines
+    assert "sum of 200 MB" in lines and peer.floor_lines([]) == []
