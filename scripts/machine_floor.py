@@ -3,6 +3,7 @@ else of ours running. No scheduler can make steps more even than this, so the be
 inter-token p99 / p50 (bench_peer.py, bench_step.py --jitter). Not a test.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/machine_floor.py --target-ms 5 --iterations 400
+    .venv/bin/python scripts/machine_floor.py --threads 1 2 --rounds 3   # alternating thread counts
 
 Two probes on torch's threads (as many as a serving step uses), each repeated `iterations` times:
 - gemm: one float32 GEMM sized to take about `target_ms` (arithmetic that needs every thread, as a prompt step);
@@ -96,9 +97,13 @@ def main() -> None:
     ap.add_argument("--target-ms", type=float, default=5.0, help="about how long one run of each probe takes")
     ap.add_argument("--iterations", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=1, help="measure this many times in a row")
+    ap.add_argument("--threads", type=int, nargs="*", default=[],
+                    help="torch thread counts to alternate within each round (default: torch's own)")
     args = ap.parse_args()
     for _ in range(args.rounds):
-        print(describe(measure(args.target_ms / 1e3, args.iterations)), flush=True)
+        for threads in args.threads or [torch.get_num_threads()]:
+            torch.set_num_threads(threads)
+            print(describe(measure(args.target_ms / 1e3, args.iterations)), flush=True)
 
 
 if __name__ == "__main__":
