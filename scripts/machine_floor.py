@@ -32,6 +32,7 @@ def over_local_median(times: list[float], half: int = 10) -> list[float]:
 
 
 def timed(fn: Callable[[], object], iterations: int) -> list[float]:
+    """Seconds each of `iterations` calls of fn took."""
     times = []
     for _ in range(iterations):
         t0 = time.perf_counter()
