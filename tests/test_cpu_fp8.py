@@ -21,6 +21,16 @@ pytestmark = pytest.mark.skipif(not cpu_build.available(), reason=f"{cpu_build.u
 FP8 = torch.float8_e4m3fn
 
 
+@pytest.fixture(autouse=True)
+def served_in_float32():
+    """Every test starts as for a model served in float32 (FP8 products in float32), whatever model an earlier test
+    of the process loaded (the backend sets cpu_build.fp8_tiles per model); fp8_tiles_on turns them on."""
+    before = cpu_build.fp8_tiles()
+    cpu_build.fp8_tiles(False)
+    yield
+    cpu_build.fp8_tiles(before)
+
+
 def _fp8(*shape, block, g, lead=()):
     """A random FP8 weight [*lead, *shape] and its block scales [*lead, ceil(O / bo), ceil(K / bk)]."""
     w = (torch.randn(*lead, *shape, generator=g) * 3).to(FP8)
