@@ -152,6 +152,14 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* lane i = the sum of v[i]'s 8 lanes: pairs added within each half (hadd), then the halves of 4 vectors each */
+static inline __m256 sum8x8(const __m256 *v) {
+    __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* s0: v[0..3]'s sums of lanes 0-3, then of lanes 4-7; s1 the same for v[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
 static inline uint16_t f32_to_bf16(float f) {  /* nearest, ties to even: what torch's .to(torch.bfloat16) gives */
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);

@@ -24,6 +24,8 @@ typedef __m512 vecf;
 #define VFMA _mm512_fmadd_ps
 #define VADD _mm512_add_ps
 #define VSUM _mm512_reduce_add_ps
+#define VSUMS sum16x16
+#define VSTOREU _mm512_storeu_ps
 #else
 #define LANES 8
 typedef __m256 vecf;
@@ -33,6 +35,8 @@ typedef __m256 vecf;
 #define VFMA _mm256_fmadd_ps
 #define VADD _mm256_add_ps
 #define VSUM hsum8
+#define VSUMS sum8x8
+#define VSTOREU _mm256_storeu_ps
 #endif
 
 /* The weight is read once, from memory, as one stream per thread: a software prefetch PREFETCH_BYTES ahead
@@ -43,35 +47,53 @@ typedef __m256 vecf;
 #define PREFETCH_BYTES 4096
 #define LINE_VECS (64 / (2 * LANES))
 
+/* Each output's LANES partial sums are summed with those of LANES - 1 other outputs at once (VSUMS: a transposed
+ * sum, a vector of LANES outputs stored at once), not one horizontal sum an output: with a short K (128, MLA's
+ * per-head w_uk) one sum an output cost as much as the multiply-adds. The inputs past the last whole vector are
+ * added after, in order, as before. */
 #define BLOCK(MB, U)                                                                                    \
     static void block_##MB(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,     \
                            int64_t ldy, int64_t K, int64_t O) {                                        \
-        for (int64_t o = 0; o < O; o++) {                                                              \
-            const uint16_t *wr = w + o * ldw;                                                          \
-            vecf acc[MB][U];                                                                           \
-            for (int m = 0; m < MB; m++)                                                               \
-                for (int u = 0; u < U; u++) acc[m][u] = VZERO();                                       \
-            int64_t k = 0;                                                                             \
-            for (; k + LANES * U <= K; k += LANES * U) {                                               \
-                for (int u = 0; u < U; u += LINE_VECS)                                                 \
-                    _mm_prefetch((const char *)(wr + k + LANES * u) + PREFETCH_BYTES, _MM_HINT_T0);    \
-                for (int u = 0; u < U; u++) {                                                          \
-                    vecf wv = VLOADW(wr + k + LANES * u);                                              \
+        alignas(64) vecf tot[MB][LANES];                                                               \
+        const int64_t kv = K / (LANES * U) * (LANES * U), kl = K / LANES * LANES;                     \
+        for (int64_t o0 = 0; o0 < O; o0 += LANES) {                                                    \
+            const int n = O - o0 < LANES ? (int)(O - o0) : LANES;                                      \
+            for (int j = 0; j < n; j++) {                                                              \
+                const uint16_t *wr = w + (o0 + j) * ldw;                                               \
+                vecf acc[MB][U];                                                                       \
+                for (int m = 0; m < MB; m++)                                                           \
+                    for (int u = 0; u < U; u++) acc[m][u] = VZERO();                                   \
+                for (int64_t k = 0; k < kv; k += LANES * U) {                                          \
+                    for (int u = 0; u < U; u += LINE_VECS)                                             \
+                        _mm_prefetch((const char *)(wr + k + LANES * u) + PREFETCH_BYTES, _MM_HINT_T0);\
+                    for (int u = 0; u < U; u++) {                                                      \
+                        vecf wv = VLOADW(wr + k + LANES * u);                                          \
+                        for (int m = 0; m < MB; m++)                                                   \
+                            acc[m][u] = VFMA(VLOADX(x + m * ldx + k + LANES * u), wv, acc[m][u]);      \
+                    }                                                                                  \
+                }                                                                                      \
+                for (int64_t k = kv; k < kl; k += LANES) {                                             \
+                    vecf wv = VLOADW(wr + k);                                                          \
                     for (int m = 0; m < MB; m++)                                                       \
-                        acc[m][u] = VFMA(VLOADX(x + m * ldx + k + LANES * u), wv, acc[m][u]);          \
+                        acc[m][0] = VFMA(VLOADX(x + m * ldx + k), wv, acc[m][0]);                      \
+                }                                                                                      \
+                for (int m = 0; m < MB; m++) {                                                         \
+                    vecf t = acc[m][0];                                                                \
+                    for (int u = 1; u < U; u++) t = VADD(t, acc[m][u]);                                \
+                    tot[m][j] = t;                                                                     \
                 }                                                                                      \
             }                                                                                          \
-            for (; k + LANES <= K; k += LANES) {                                                       \
-                vecf wv = VLOADW(wr + k);                                                              \
-                for (int m = 0; m < MB; m++)                                                           \
-                    acc[m][0] = VFMA(VLOADX(x + m * ldx + k), wv, acc[m][0]);                          \
-            }                                                                                          \
             for (int m = 0; m < MB; m++) {                                                             \
-                vecf t = acc[m][0];                                                                    \
-                for (int u = 1; u < U; u++) t = VADD(t, acc[m][u]);                                    \
-                float s = VSUM(t);                                                                     \
-                for (int64_t kk = k; kk < K; kk++) s += x[m * ldx + kk] * bf16_to_f32(wr[kk]);         \
-                y[m * ldy + o] = s;                                                                    \
+                float *ym = y + m * ldy + o0;                                                          \
+                if (n == LANES) {                                                                      \
+                    VSTOREU(ym, VSUMS(tot[m]));                                                        \
+                } else {                                                                               \
+                    for (int j = 0; j < n; j++) ym[j] = VSUM(tot[m][j]);                               \
+                }                                                                                      \
+                for (int j = 0; kl < K && j < n; j++) {                                                \
+                    const uint16_t *wr = w + (o0 + j) * ldw;                                           \
+                    for (int64_t kk = kl; kk < K; kk++) ym[j] += x[m * ldx + kk] * bf16_to_f32(wr[kk]);\
+                }                                                                                      \
             }                                                                                          \
         }                                                                                              \
     }
