@@ -33,6 +33,8 @@ typedef __m512 fvec;
 #define FADD _mm512_add_ps
 #define FSET1 _mm512_set1_ps
 #define FSUM _mm512_reduce_add_ps
+#define FSUMS sum16x16
+#define FSTOREU _mm512_storeu_ps
 #define FPREFETCH(p) _mm_prefetch((const char *)(p) + 4096, _MM_HINT_T0)
 #else
 #define FLANES 8
@@ -46,52 +48,68 @@ typedef __m256 fvec;
 #define FADD _mm256_add_ps
 #define FSET1 _mm256_set1_ps
 #define FSUM hsum8
+#define FSUMS sum8x8
+#define FSTOREU _mm256_storeu_ps
 #define FPREFETCH(p) ((void)(p))
 #endif
 
+/* As linear_bf16w.cpp's blocks, each output's vector is summed with FLANES - 1 others' at once (FSUMS). */
 #define BLOCK8(MB, U)                                                                                   \
     static void block8_##MB(const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y,        \
                             int64_t ldy, int64_t K, int64_t O) {                                       \
         int64_t K8 = K & ~(int64_t)7, bk = w->bk;                                                      \
-        for (int64_t o = 0; o < O; o++) {                                                              \
-            const uint8_t *wr = (const uint8_t *)w->data + (o0 + o) * w->ld;                           \
-            const float *sr = w->scale + (o0 + o) / w->bo * w->lds;                                    \
-            fvec tot[MB], acc[MB][U];                                                                  \
-            for (int m = 0; m < MB; m++) tot[m] = FZERO();                                             \
-            for (int64_t k0 = 0; k0 < K8; k0 += bk) {                                                  \
-                int64_t end = k0 + bk < K8 ? k0 + bk : K8, k = k0;                                     \
-                for (int m = 0; m < MB; m++)                                                           \
-                    for (int u = 0; u < U; u++) acc[m][u] = FZERO();                                   \
-                for (; k + FLANES * U <= end; k += FLANES * U) {                                       \
-                    FPREFETCH(wr + k);                                                                 \
-                    for (int u = 0; u < U; u++) {                                                      \
-                        fvec wv = FLOADW(wr + k + FLANES * u);                                         \
+        alignas(64) fvec tots[MB][FLANES];                                                             \
+        for (int64_t og = 0; og < O; og += FLANES) {                                                   \
+            const int n = O - og < FLANES ? (int)(O - og) : FLANES;                                    \
+            for (int j = 0; j < n; j++) {                                                              \
+                const uint8_t *wr = (const uint8_t *)w->data + (o0 + og + j) * w->ld;                  \
+                const float *sr = w->scale + (o0 + og + j) / w->bo * w->lds;                           \
+                fvec tot[MB], acc[MB][U];                                                              \
+                for (int m = 0; m < MB; m++) tot[m] = FZERO();                                         \
+                for (int64_t k0 = 0; k0 < K8; k0 += bk) {                                              \
+                    int64_t end = k0 + bk < K8 ? k0 + bk : K8, k = k0;                                 \
+                    for (int m = 0; m < MB; m++)                                                       \
+                        for (int u = 0; u < U; u++) acc[m][u] = FZERO();                               \
+                    for (; k + FLANES * U <= end; k += FLANES * U) {                                   \
+                        FPREFETCH(wr + k);                                                             \
+                        for (int u = 0; u < U; u++) {                                                  \
+                            fvec wv = FLOADW(wr + k + FLANES * u);                                     \
+                            for (int m = 0; m < MB; m++)                                               \
+                                acc[m][u] = FFMA(FLOADX(x + m * ldx + k + FLANES * u), wv, acc[m][u]); \
+                        }                                                                              \
+                    }                                                                                  \
+                    for (; k + FLANES <= end; k += FLANES) {                                           \
+                        fvec wv = FLOADW(wr + k);                                                      \
                         for (int m = 0; m < MB; m++)                                                   \
-                            acc[m][u] = FFMA(FLOADX(x + m * ldx + k + FLANES * u), wv, acc[m][u]);     \
+                            acc[m][0] = FFMA(FLOADX(x + m * ldx + k), wv, acc[m][0]);                  \
+                    }                                                                                  \
+                    if (FLANES > 8 && k < end) { /* 8 left */                                          \
+                        fvec wv = FLOADW_HALF(wr + k);                                                 \
+                        for (int m = 0; m < MB; m++)                                                   \
+                            acc[m][0] = FFMA(FLOADX_HALF(x + m * ldx + k), wv, acc[m][0]);             \
+                    }                                                                                  \
+                    fvec sv = FSET1(sr[k0 / bk * w->ldsk] * 256.0f);                                   \
+                    for (int m = 0; m < MB; m++) {                                                     \
+                        fvec t = acc[m][0];                                                            \
+                        for (int u = 1; u < U; u++) t = FADD(t, acc[m][u]);                            \
+                        tot[m] = FFMA(t, sv, tot[m]);                                                  \
                     }                                                                                  \
                 }                                                                                      \
-                for (; k + FLANES <= end; k += FLANES) {                                               \
-                    fvec wv = FLOADW(wr + k);                                                          \
-                    for (int m = 0; m < MB; m++)                                                       \
-                        acc[m][0] = FFMA(FLOADX(x + m * ldx + k), wv, acc[m][0]);                      \
-                }                                                                                      \
-                if (FLANES > 8 && k < end) { /* 8 left */                                              \
-                    fvec wv = FLOADW_HALF(wr + k);                                                     \
-                    for (int m = 0; m < MB; m++)                                                       \
-                        acc[m][0] = FFMA(FLOADX_HALF(x + m * ldx + k), wv, acc[m][0]);                 \
-                }                                                                                      \
-                fvec sv = FSET1(sr[k0 / bk * w->ldsk] * 256.0f);                                       \
-                for (int m = 0; m < MB; m++) {                                                         \
-                    fvec t = acc[m][0];                                                                \
-                    for (int u = 1; u < U; u++) t = FADD(t, acc[m][u]);                                \
-                    tot[m] = FFMA(t, sv, tot[m]);                                                      \
-                }                                                                                      \
+                for (int m = 0; m < MB; m++) tots[m][j] = tot[m];                                      \
             }                                                                                          \
             for (int m = 0; m < MB; m++) {                                                             \
-                float s = FSUM(tot[m]);                                                                \
-                for (int64_t kk = K8; kk < K; kk++)                                                    \
-                    s += x[m * ldx + kk] * (fp8_to_f32(wr[kk]) * sr[kk / bk * w->ldsk]);               \
-                y[m * ldy + o] = s;                                                                    \
+                float *ym = y + m * ldy + og;                                                          \
+                if (n == FLANES) {                                                                     \
+                    FSTOREU(ym, FSUMS(tots[m]));                                                       \
+                } else {                                                                               \
+                    for (int j = 0; j < n; j++) ym[j] = FSUM(tots[m][j]);                              \
+                }                                                                                      \
+                for (int j = 0; K8 < K && j < n; j++) {                                                \
+                    const uint8_t *wr = (const uint8_t *)w->data + (o0 + og + j) * w->ld;              \
+                    const float *sr = w->scale + (o0 + og + j) / w->bo * w->lds;                       \
+                    for (int64_t kk = K8; kk < K; kk++)                                                \
+                        ym[j] += x[m * ldx + kk] * (fp8_to_f32(wr[kk]) * sr[kk / bk * w->ldsk]);       \
+                }                                                                                      \
             }                                                                                          \
         }                                                                                              \
     }
