@@ -160,6 +160,22 @@ static inline __m256 sum8x8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
+/* y[j] <- the sum of v[j]'s lanes for j < n (n <= WLANES): all WLANES at once, in one transposed sum, where n is that
+ * many (the decode products' outputs, linear_bf16w.cpp and linear_fp8w.cpp) */
+static inline void store_sums(float *y, const wvec *v, int n) {
+#ifdef __AVX512F__
+    if (n == WLANES)
+        _mm512_storeu_ps(y, sum16x16(v));
+    else
+        for (int j = 0; j < n; j++) y[j] = _mm512_reduce_add_ps(v[j]);
+#else
+    if (n == WLANES)
+        _mm256_storeu_ps(y, sum8x8(v));
+    else
+        for (int j = 0; j < n; j++) y[j] = hsum8(v[j]);
+#endif
+}
+
 static inline uint16_t f32_to_bf16(float f) {  /* nearest, ties to even: what torch's .to(torch.bfloat16) gives */
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);

@@ -23,9 +23,6 @@ typedef __m512 vecf;
 #define VLOADW load_bf16x16
 #define VFMA _mm512_fmadd_ps
 #define VADD _mm512_add_ps
-#define VSUM _mm512_reduce_add_ps
-#define VSUMS sum16x16
-#define VSTOREU _mm512_storeu_ps
 #else
 #define LANES 8
 typedef __m256 vecf;
@@ -34,9 +31,6 @@ typedef __m256 vecf;
 #define VLOADW load_bf16x8
 #define VFMA _mm256_fmadd_ps
 #define VADD _mm256_add_ps
-#define VSUM hsum8
-#define VSUMS sum8x8
-#define VSTOREU _mm256_storeu_ps
 #endif
 
 /* The weight is read once, from memory, as one stream per thread: a software prefetch PREFETCH_BYTES ahead
@@ -47,8 +41,8 @@ typedef __m256 vecf;
 #define PREFETCH_BYTES 4096
 #define LINE_VECS (64 / (2 * LANES))
 
-/* Each output's LANES partial sums are summed with those of LANES - 1 other outputs at once (VSUMS: a transposed
- * sum, a vector of LANES outputs stored at once), not one horizontal sum an output: with a short K (128, MLA's
+/* Each output's LANES partial sums are summed with those of LANES - 1 other outputs at once (store_sums, bf16w.h: a
+ * transposed sum, a vector of LANES outputs stored at once), not one horizontal sum an output: with a short K (128, MLA's
  * per-head w_uk) one sum an output cost as much as the multiply-adds. The inputs past the last whole vector are
  * added after, in order, as before. */
 #define BLOCK(MB, U)                                                                                    \
@@ -85,11 +79,7 @@ typedef __m256 vecf;
             }                                                                                          \
             for (int m = 0; m < MB; m++) {                                                             \
                 float *ym = y + m * ldy + o0;                                                          \
-                if (n == LANES) {                                                                      \
-                    VSTOREU(ym, VSUMS(tot[m]));                                                        \
-                } else {                                                                               \
-                    for (int j = 0; j < n; j++) ym[j] = VSUM(tot[m][j]);                               \
-                }                                                                                      \
+                store_sums(ym, tot[m], n);                                                             \
                 for (int j = 0; kl < K && j < n; j++) {                                                \
                     const uint16_t *wr = w + (o0 + j) * ldw;                                           \
                     for (int64_t kk = kl; kk < K; kk++) ym[j] += x[m * ldx + kk] * bf16_to_f32(wr[kk]);\

@@ -32,9 +32,6 @@ typedef __m512 fvec;
 #define FFMA _mm512_fmadd_ps
 #define FADD _mm512_add_ps
 #define FSET1 _mm512_set1_ps
-#define FSUM _mm512_reduce_add_ps
-#define FSUMS sum16x16
-#define FSTOREU _mm512_storeu_ps
 #define FPREFETCH(p) _mm_prefetch((const char *)(p) + 4096, _MM_HINT_T0)
 #else
 #define FLANES 8
@@ -47,13 +44,10 @@ typedef __m256 fvec;
 #define FFMA _mm256_fmadd_ps
 #define FADD _mm256_add_ps
 #define FSET1 _mm256_set1_ps
-#define FSUM hsum8
-#define FSUMS sum8x8
-#define FSTOREU _mm256_storeu_ps
 #define FPREFETCH(p) ((void)(p))
 #endif
 
-/* As linear_bf16w.cpp's blocks, each output's vector is summed with FLANES - 1 others' at once (FSUMS). */
+/* As linear_bf16w.cpp's blocks, each output's vector is summed with FLANES - 1 others' at once (store_sums). */
 #define BLOCK8(MB, U)                                                                                   \
     static void block8_##MB(const float *x, int64_t ldx, const Weight *w, int64_t o0, float *y,        \
                             int64_t ldy, int64_t K, int64_t O) {                                       \
@@ -99,11 +93,7 @@ typedef __m256 fvec;
             }                                                                                          \
             for (int m = 0; m < MB; m++) {                                                             \
                 float *ym = y + m * ldy + og;                                                          \
-                if (n == FLANES) {                                                                     \
-                    FSTOREU(ym, FSUMS(tots[m]));                                                       \
-                } else {                                                                               \
-                    for (int j = 0; j < n; j++) ym[j] = FSUM(tots[m][j]);                              \
-                }                                                                                      \
+                store_sums(ym, tots[m], n);                                                            \
                 for (int j = 0; K8 < K && j < n; j++) {                                                \
                     const uint8_t *wr = (const uint8_t *)w->data + (o0 + og + j) * w->ld;              \
                     const float *sr = w->scale + (o0 + og + j) / w->bo * w->lds;                       \
