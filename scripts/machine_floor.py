@@ -41,7 +41,8 @@ def timed(fn: Callable[[], object], iterations: int) -> list[float]:
     return times
 
 
-def _sized(make: Callable[[int], Callable[[], object]], size: int, power: float, target_s: float) -> tuple[int, Callable]:
+def _sized(make: Callable[[int], Callable[[], object]], size: int, power: float,
+           target_s: float) -> tuple[int, Callable]:
     """Grows or shrinks `size` (time ~ size ** power) until one call of make(size) takes about target_s."""
     fn = make(size)
     for _ in range(4):

@@ -41,10 +41,10 @@ typedef __m256 vecf;
 #define PREFETCH_BYTES 4096
 #define LINE_VECS (64 / (2 * LANES))
 
-/* Each output's LANES partial sums are summed with those of LANES - 1 other outputs at once (store_sums, bf16w.h: a
- * transposed sum, a vector of LANES outputs stored at once), not one horizontal sum an output: with a short K (128, MLA's
- * per-head w_uk) one sum an output cost as much as the multiply-adds. The inputs past the last whole vector are
- * added after, in order, as before. */
+/* Each output's LANES partial sums are summed with those of LANES - 1 other outputs at once (store_sums, bf16w.h:
+ * a transposed sum, a vector of LANES outputs stored at once), not one horizontal sum an output: with a short K
+ * (128, MLA's per-head w_uk) one sum an output cost as much as the multiply-adds. The inputs past the last whole
+ * vector are added after, in order, as before. */
 #define BLOCK(MB, U)                                                                                    \
     static void block_##MB(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,     \
                            int64_t ldy, int64_t K, int64_t O) {                                        \
