@@ -197,7 +197,7 @@ int64_t set_fp8_tiles(int64_t on) {
 
 /* NR (<= 8) x rows in bf16 (xb [NR][K]) against FP8 weight rows o0 .. o0 + n (n <= 16) into y[:, 0..n), along K:
  * each block of bk inputs summed apart and added times its scale (times 2^8), each output's 16 lanes reduced at the
- * end (16 at once by sum16x16) */
+ * end (16 at once by store_sums) */
 template <int NR>
 static void fp8_lanes(const uint16_t *xb, int64_t K, const Weight *w, int64_t o0, int n, float *y, int64_t ldy) {
     alignas(64) __m512 tot[NR][16];
@@ -230,13 +230,7 @@ static void fp8_lanes(const uint16_t *xb, int64_t K, const Weight *w, int64_t o0
         }
         for (int r = 0; r < NR; r++) tot[r][o] = t[r];
     }
-    for (int r = 0; r < NR; r++) {
-        if (n == 16) {
-            _mm512_storeu_ps(y + r * ldy, sum16x16(tot[r]));
-        } else {
-            for (int o = 0; o < n; o++) y[r * ldy + o] = _mm512_reduce_add_ps(tot[r][o]);
-        }
-    }
+    for (int r = 0; r < NR; r++) store_sums(y + r * ldy, tot[r], n);
 }
 
 /* Whether FP8 products by w can go along K at all (fp8_decode_dp): the setting on, K and the blocks' columns in 32s */
